@@ -1,0 +1,35 @@
+"""hf-dflash: lossless speculative decoding with a DFlash block-diffusion drafter, for any Hugging Face causal LM.
+
+draft = DFlashForDrafting.from_pretrained("path/to/drafter")          # or .from_target(target) to train one
+out = target.generate(**inputs, assistant_model=draft)                 # transformers' assisted decoding
+out = hf_dflash.speculative_generate(target, draft, input_ids, mask)   # our batched loop, with statistics
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .configuration_dflash import DFlashConfig, default_target_layer_ids
+from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, enable_dflash_generate
+from .modeling_dflash import DFlashForDrafting, DFlashLayouts, choose_mask_token_id
+from .speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
+
+__version__ = "0.1.0"
+
+AutoConfig.register(DFlashConfig.model_type, DFlashConfig, exist_ok=True)
+AutoModel.register(DFlashConfig, DFlashForDrafting, exist_ok=True)
+# `save_pretrained` then writes `auto_map` and copies the remote-code files next to the weights.
+DFlashConfig.register_for_auto_class()
+DFlashForDrafting.register_for_auto_class("AutoModel")
+
+__all__ = [
+    "DFlashCandidateGenerator",
+    "DFlashConfig",
+    "DFlashForDrafting",
+    "DFlashLayouts",
+    "SpeculativeOutput",
+    "SpeculativeStats",
+    "check_draft_fits_target",
+    "choose_mask_token_id",
+    "default_target_layer_ids",
+    "enable_dflash_generate",
+    "speculative_generate",
+]
