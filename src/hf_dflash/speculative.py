@@ -247,6 +247,7 @@ class _SpeculativeLoop:
     def _prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> torch.LongTensor:
         start = time.perf_counter()
         self.cache = DynamicCache(config=self.target.config)
+        self.cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
         self.draft_cache = DynamicCache(config=self.draft.config)
         self.draft_cache.activate_past_recording()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

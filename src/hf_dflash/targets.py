@@ -99,14 +99,22 @@ def find_package_dir(module: str, pip: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def locate_gguf(name: str) -> Path:
-    """Return the path of a known target's GGUF file (joining the parts first for split packages)."""
+def locate_gguf(name: str, assemble_dir: str | os.PathLike | None = None) -> Path:
+    """Return the path of a known target's GGUF file.
+
+    A package that ships the file in parts has them joined by its ``assemble()`` into ``assemble_dir``
+    (default: the package's own choice, ``~/.cache/<module>``).
+    """
     spec = get_target_spec(name)
     package_dir = find_package_dir(spec.module, spec.pip)
-    if spec.assembled:
-        path = Path(importlib.import_module(spec.module).assemble())
-    else:
+    if not spec.assembled:
         path = package_dir / spec.gguf_file
+    else:
+        output = Path(assemble_dir) / spec.gguf_file if assemble_dir is not None else None
+        try:
+            path = Path(importlib.import_module(spec.module).assemble(output))
+        except (ImportError, FileNotFoundError) as error:  # a part package is missing
+            raise ModuleNotFoundError(f"Cannot assemble {spec.gguf_file} ({error}). Install: {spec.pip}") from error
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall the package with: {spec.pip}")
     return path
@@ -214,11 +222,16 @@ def load_target(
     spec = get_target_spec(name)
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     folder = folder / name
+    if folder.exists() and not _is_converted(folder):
+        raise FileExistsError(f"{folder} exists but is not a finished conversion; remove it and load again.")
     if not _is_converted(folder):
-        gguf_path = locate_gguf(name)
-        logger.warning(f"Converting {gguf_path.name} to safetensors in {folder} (once; this takes a while)")
-        model, tokenizer = load_gguf(gguf_path)
-        convert_and_cache(drop_gguf_quantizer(model), tokenizer, folder, source=_provenance(spec, gguf_path))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".gguf-", dir=folder.parent) as scratch:  # for joined parts
+            gguf_path = locate_gguf(name, assemble_dir=scratch)
+            logger.warning(f"Converting {gguf_path.name} to safetensors in {folder} (once; this takes a while)")
+            model, tokenizer = load_gguf(gguf_path)
+            source = _provenance(spec, gguf_path)
+            convert_and_cache(drop_gguf_quantizer(model), tokenizer, folder, source=source)
         del model, tokenizer
     return load_converted(folder, dtype=dtype)
 
