@@ -1,0 +1,142 @@
+"""Sampling is lossless: tokens drafted by `q` and accepted/rejected by Leviathan's rule follow the target's own
+distribution. We compare sampled (t1, t2, t3) against the target's exact joint distribution, enumerated over a small
+vocabulary, with a chi-square test; a negative control shows the test does reject a biased sampler."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
+
+from hf_dflash import DFlashForDrafting, speculative_generate
+from hf_dflash.speculative import _sampling_warpers
+
+VOCAB = 6
+PROMPT = torch.tensor([[1, 4, 2, 0, 3]])
+
+
+SMALL = {"vocab_size": VOCAB, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+CONFIGS = {
+    "llama": lambda: LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **SMALL
+    ),
+    "qwen3": lambda: Qwen3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        **SMALL,
+    ),
+    "gpt2": lambda: GPT2Config(n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=False, **SMALL),
+}
+
+
+def peaky_target(family: str = "llama", seed: int = 0):
+    """A tiny target with context-dependent, far-from-uniform next-token distributions."""
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(25.0)
+    return target
+
+
+def exact_joint(target, generation_kwargs: dict, length: int = 3) -> dict[tuple, float]:
+    """P(t1..t_length | PROMPT) under the target with the same warpers `generate` applies."""
+    warpers = _sampling_warpers(target.generation_config.__class__(**generation_kwargs))
+    joint = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(joint)
+        ids = torch.cat(
+            [PROMPT.expand(len(prefixes), -1), torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)], 1
+        )
+        with torch.no_grad():
+            logits = target(ids).logits[:, -1].float()
+        probs = warpers(ids, logits).softmax(-1)
+        joint = {
+            prefix + (t,): joint[prefix] * float(probs[i, t])
+            for i, prefix in enumerate(prefixes)
+            for t in range(VOCAB)
+        }
+    return {k: v for k, v in joint.items() if v > 0}
+
+
+def chi_square_pvalue(samples: list[tuple], exact: dict[tuple, float]) -> float:
+    """Chi-square goodness of fit, cells with expected count < 5 pooled into one."""
+    n = len(samples)
+    counts = {}
+    for sample in samples:
+        counts[sample] = counts.get(sample, 0) + 1
+    assert set(counts) <= set(exact), "sampled a sequence the target gives probability zero"
+    big = [cell for cell, p in exact.items() if p * n >= 5]
+    observed = [counts.get(cell, 0) for cell in big]
+    expected = [exact[cell] * n for cell in big]
+    rest_expected = n - sum(expected)
+    if rest_expected > 1e-9:
+        observed.append(n - sum(observed))
+        expected.append(rest_expected)
+    total = sum(expected)
+    return float(chisquare(observed, [e * n / total for e in expected]).pvalue)
+
+
+def random_draft(target) -> DFlashForDrafting:
+    torch.manual_seed(7)
+    draft = DFlashForDrafting.from_target(
+        target, num_hidden_layers=1, block_size=4, mask_token_id=VOCAB - 1
+    )  # losslessness does not need an unused mask row.eval()
+    with torch.no_grad():  # a vague draft (q near uniform): accepted often enough that both paths run
+        draft.norm.weight.mul_(0.05)
+    return draft
+
+
+SETTINGS = [
+    {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
+    {"do_sample": True, "temperature": 0.7, "top_k": 4, "top_p": 0.9},
+]
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("generation_kwargs", SETTINGS, ids=["plain", "temperature-topk-topp"])
+def test_speculative_generate_samples_the_target_distribution(family, generation_kwargs):
+    target = peaky_target(family)
+    draft = random_draft(target)
+    exact = exact_joint(target, generation_kwargs)
+    n = 6000
+    torch.manual_seed(0)
+    # one batch of n identical prompts; 4 new tokens so the first round drafts 2 (t2, t3) and t4 is a bonus
+    out = speculative_generate(target, draft, PROMPT.expand(n, -1), max_new_tokens=4, **generation_kwargs)
+    samples = [tuple(row) for row in out.sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()]
+    histogram = out.stats.histogram
+    assert histogram[1] > 0 and histogram[3] > 0  # rejections and full acceptances both happened
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+def test_generate_with_assistant_samples_the_target_distribution():
+    target = peaky_target()
+    draft = random_draft(target)
+    generation_kwargs = SETTINGS[1]
+    exact = exact_joint(target, generation_kwargs)
+    torch.manual_seed(1)
+    samples = []
+    for _ in range(1500):
+        out = target.generate(PROMPT, max_new_tokens=4, assistant_model=draft, **generation_kwargs)
+        samples.append(tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()))
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+def test_the_chi_square_test_rejects_a_biased_sampler(monkeypatch):
+    """Negative control: accepting every draft (u = 0 in the acceptance test) samples from `q`, not `p`; the same
+    test must reject it, or the tests above would prove nothing."""
+    target = peaky_target()
+    draft = random_draft(target)
+    exact = exact_joint(target, SETTINGS[0])
+    monkeypatch.setattr(torch, "rand_like", torch.zeros_like)
+    torch.manual_seed(0)
+    out = speculative_generate(target, draft, PROMPT.expand(6000, -1), max_new_tokens=4, **SETTINGS[0])
+    samples = [tuple(row) for row in out.sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()]
+    samples = [sample for sample in samples if sample in exact]
+    assert chi_square_pvalue(samples, exact) < 1e-6
+
+
+def test_enumeration_covers_the_whole_distribution():
+    assert abs(sum(exact_joint(peaky_target(), SETTINGS[0]).values()) - 1.0) < 1e-5
