@@ -449,7 +449,9 @@ def choose_mask_token_id(target: PreTrainedModel, tokenizer: Any | None = None) 
     1. a special token of the tokenizer whose name says it is unused (`mask`, `reserved`, `unused`, `pad`,
        `placeholder`), and that is not the BOS/EOS token;
     2. the first embedding row past the tokenizer's vocabulary (padded rows, never produced by tokenization);
-    3. the target config's `pad_token_id`, when it differs from every EOS/BOS id.
+    3. the target config's `pad_token_id`, when it differs from every EOS/BOS id;
+    4. the last special token of the tokenizer that is not BOS/EOS/PAD and not used by its chat template (e.g.
+       SmolLM2's `<empty_output>`, a code-data marker a chat model does not produce).
 
     Raises if none applies: pass `mask_token_id=` explicitly then (never resize a frozen embedding to add one).
     """
@@ -470,6 +472,14 @@ def choose_mask_token_id(target: PreTrainedModel, tokenizer: Any | None = None) 
     pad = text_config.pad_token_id
     if pad is not None and pad not in emitted and 0 <= pad < num_rows:
         return pad
+    if tokenizer is not None:
+        emitted |= set(_as_list(tokenizer.pad_token_id)) | set(_as_list(pad))
+        template = str(getattr(tokenizer, "chat_template", None) or "")
+        unused = [
+            i for t, i in _special_tokens(tokenizer).items() if i not in emitted and i < num_rows and t not in template
+        ]
+        if unused:
+            return max(unused)
     raise ValueError(
         "Could not find an unused embedding row for the mask token. Pass `mask_token_id=<id>` (a reserved or padded "
         "token the target never emits), or pass `tokenizer=` so its reserved special tokens can be searched."
