@@ -8,7 +8,6 @@ import torch
 from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.prompts import apply_chat_template, load_prompts
 
-
 pytestmark = pytest.mark.slow
 MAX_NEW_TOKENS = 40
 

@@ -78,16 +78,9 @@ def is_dflash_draft(model: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def check_draft_fits_target(
-    target: Any, draft: Any, batch_size: int | None = None, max_batch_size: int | None = 1
-) -> None:
-    """Raise a clear error if `draft` cannot speculate for `target` (or for a batch of `batch_size` rows).
-
-    Checks: a decoder-only target with a croppable attention cache and one-axis positions, an LM head; the draft's
-    hidden size, vocabulary, tapped layers and mask token against the target; same dtype and device.
-    """
+def check_target_supported(target: Any) -> None:
+    """Raise a clear error if `target` is a kind of model DFlash cannot speculate for losslessly."""
     target_name = type(target).__name__
-    config = draft.config
     text_config = target.config.get_text_config()
     if getattr(target.config, "is_encoder_decoder", False):
         raise ValueError(f"{target_name} is an encoder-decoder model; DFlash drafts for decoder-only causal LMs.")
@@ -104,6 +97,25 @@ def check_draft_fits_target(
         )
     if target.get_output_embeddings() is None:
         raise ValueError(f"{target_name} has no LM head (`get_output_embeddings()` is None); load it as a causal LM.")
+
+
+def check_draft_fits_target(
+    target: Any, draft: Any, batch_size: int | None = None, max_batch_size: int | None = 1
+) -> None:
+    """Raise a clear error if `draft` cannot speculate for `target` (or for a batch of `batch_size` rows).
+
+    Checks: a decoder-only target with a croppable attention cache and one-axis positions, an LM head; the draft's
+    hidden size, vocabulary, tapped layers and mask token against the target; same dtype and device.
+    """
+    check_target_supported(target)
+    config = draft.config
+    text_config = target.config.get_text_config()
+    for name in ("mask_token_id", "target_layer_ids", "block_size"):
+        if getattr(config, name, None) is None:
+            raise ValueError(
+                f"The draft's config has no `{name}`: set it (e.g. `draft.config.{name} = ...`; for the mask token "
+                "see `hf_dflash.choose_mask_token_id`), or build the draft with `DFlashForDrafting.from_target`."
+            )
     num_rows = target.get_input_embeddings().weight.shape[0]
     if config.hidden_size != text_config.hidden_size:
         raise ValueError(
@@ -369,6 +381,7 @@ def _wrap_validate_generation_mode(original):
 __all__ = [
     "DFlashCandidateGenerator",
     "check_draft_fits_target",
+    "check_target_supported",
     "context_features",
     "enable_dflash_generate",
     "is_dflash_draft",

@@ -44,7 +44,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import logging
 
 from .configuration_dflash import DFlashConfig, default_target_layer_ids
-from .generation_dflash import enable_dflash_generate
+from .generation_dflash import check_target_supported, enable_dflash_generate
 
 logger = logging.get_logger(__name__)
 
@@ -52,6 +52,7 @@ ZLAB_ARCHITECTURE = "DFlashDraftModel"
 NATIVE_MODEL_TYPE = "muse_glimmer_assistant"
 # transformers' native assistant calls the context projection `encoder.{fc,output_norm_enc}`.
 NATIVE_KEY_MAPPING = {r"^encoder\.fc\.": "fc.", r"^encoder\.output_norm_enc\.": "hidden_norm."}
+WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model")
 MASK_TOKEN_NAME_HINTS = ("mask", "reserved", "unused", "pad", "placeholder")
 
 
@@ -216,6 +217,10 @@ def write_folder_atomically(save_directory: str | os.PathLike, write: Callable[[
     try:
         write(tmp)
         target.mkdir(exist_ok=True)
+        written = {path.name for path in tmp.iterdir()}
+        for stale in target.iterdir():  # weights of an earlier save would shadow or mix with the new ones
+            if stale.name not in written and stale.name.startswith(WEIGHT_FILE_PREFIXES):
+                stale.unlink()
         for path in tmp.iterdir():
             os.replace(path, target / path.name)
     finally:
@@ -343,6 +348,7 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         from the target; `target_layer_ids` follow the paper's rule; `mask_token_id` follows `choose_mask_token_id`
         (pass `tokenizer` so reserved special tokens can be found). Any config field can be overridden by keyword.
         """
+        check_target_supported(target)
         text_config = target.config.get_text_config()
         hidden_size = text_config.hidden_size
         num_heads = text_config.num_attention_heads
@@ -369,8 +375,8 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         if fields.get("mask_token_id") is None:
             fields["mask_token_id"] = choose_mask_token_id(target, tokenizer)
         config = DFlashConfig(**fields)
-        draft = cls(config)
-        return draft.to(device=target.device, dtype=target.dtype)
+        draft = cls._from_config(config, dtype=target.dtype)  # RoPE frequencies stay fp32, as in the target
+        return draft.to(target.device)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Checkpoint layouts
@@ -386,6 +392,8 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         if kwargs.get("config") is None:
             config_dict, _ = DFlashConfig.get_config_dict(pretrained_model_name_or_path, **_hub_kwargs(kwargs))
             layout = detect_layout(config_dict)
+            if layout == DFlashLayouts.NATIVE and config_dict.get("sliding_window"):
+                config_dict["sliding_window"] += 1  # native masks keep |q - k| <= w, ours (Qwen3's) q - k < w
             if layout != DFlashLayouts.HF:
                 for name in ("model_type", "architectures", "auto_map", "transformers_version"):
                     config_dict.pop(name, None)
@@ -473,7 +481,7 @@ def choose_mask_token_id(target: PreTrainedModel, tokenizer: Any | None = None) 
     if pad is not None and pad not in emitted and 0 <= pad < num_rows:
         return pad
     if tokenizer is not None:
-        emitted |= set(_as_list(tokenizer.pad_token_id)) | set(_as_list(pad))
+        emitted |= set(_as_list(tokenizer.pad_token_id)) | set(_as_list(pad)) | set(_as_list(tokenizer.unk_token_id))
         template = str(getattr(tokenizer, "chat_template", None) or "")
         unused = [
             i for t, i in _special_tokens(tokenizer).items() if i not in emitted and i < num_rows and t not in template
