@@ -1,6 +1,10 @@
 """`hf-dflash` command line. Heavy imports happen inside the subcommands so `--help` is instant.
 
 hf-dflash demo [--draft DIR] [--prompt TEXT] [--max-new-tokens N]
+hf-dflash data --source sharegpt --source synthetic --num-prompts N --output FILE.jsonl
+hf-dflash train --data FILE.jsonl --output_dir DIR [--block_size 8 --num_draft_layers 1 ...]  (any TrainingArguments)
+hf-dflash card DIR
+hf-dflash bench --draft DIR
 """
 
 from __future__ import annotations
@@ -13,8 +17,13 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # TrainingArguments has its own parser (HfArgumentParser)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        return run_train(argv[1:])
     parser = argparse.ArgumentParser(prog="hf-dflash", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("train", help="train a drafter (run `hf-dflash train --help` for its options)")
     demo = commands.add_parser("demo", help="generate on a real model with and without a DFlash drafter")
     demo.add_argument("--target", default="smollm2-135m-instruct", help="a packaged real target (hf_dflash.targets)")
     demo.add_argument("--draft", default=None, help="drafter folder; default: a fresh, untrained drafter")
@@ -25,8 +34,50 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--block-size", type=int, default=8, help="block size of a fresh drafter")
+    card = commands.add_parser("card", help="write or refresh the model card (README.md) of a drafter folder")
+    card.add_argument("dir", help="drafter folder (config.json, optional training_info.json)")
+    card.add_argument("--base-model", default=None, help="target repo id; default: from training_info.json")
+    card.add_argument("--repo-id", default=None, help="Hub repo id of the drafter, used in the card's snippets")
+    card.add_argument("--license", default=None, help="license of the drafter (default apache-2.0)")
+    card.add_argument("--acceptance-json", default=None, help='JSON {dataset: {"tau", "speedup", "conditions"}}')
+    bench = commands.add_parser("bench", help="time every decoding path on real prompts; check identical outputs")
+    bench.add_argument("--target", default="smollm2-135m-instruct", help="a packaged real target (hf_dflash.targets)")
+    bench.add_argument("--draft", required=True, help="drafter folder")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
+    bench.add_argument("--limit", type=int, default=10, help="prompts per dataset")
+    bench.add_argument("--methods", nargs="+", default=None, help="subset of plain prompt_lookup native assisted ours")
+    bench.add_argument("--full-comparison-limit", type=int, default=None, help="first M prompts of a dataset run all")
+    bench.add_argument("--max-new-tokens", type=int, default=200)
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--do-sample", action="store_true", help="sample (outputs are then not compared)")
+    bench.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
+    bench.add_argument("--draft-block-sizes", nargs="*", type=int, default=[4, 8, 16], help="empty: skip")
+    bench.add_argument("--batch-sizes", nargs="*", type=int, default=[1, 4, 8], help="empty: skip")
+    bench.add_argument("--output", default="bench.json", help="JSON report")
+    bench.add_argument("--plot", default=None, help="PNG plot; default: next to --output")
+    data = commands.add_parser("data", help="regenerate training responses with the target itself (resumable JSONL)")
+    data.add_argument("--target", default="smollm2-135m-instruct", help="a packaged real target (hf_dflash.targets)")
+    data.add_argument(
+        "--source", action="append", required=True, help="sharegpt, math500, synthetic or a prompts .jsonl; repeat"
+    )
+    data.add_argument("--num-prompts", type=int, default=1000, help="prompts per source")
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    data.add_argument("--batch-size", type=int, default=8)
+    data.add_argument("--do-sample", action="store_true", help="sample responses (default: greedy)")
+    data.add_argument("--temperature", type=float, default=1.0)
+    data.add_argument("--top-p", type=float, default=1.0)
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--output", required=True, help="JSONL of records; rerun the same command to resume")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
+    if args.command == "data":
+        return run_data(args)
+    if args.command == "bench":
+        return run_bench(args)
+    if args.command == "card":
+        return run_card(args)
     return run_demo(args)
 
 
@@ -77,10 +128,142 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if identical else 1
 
 
+def run_card(args: argparse.Namespace) -> int:
+    from hf_dflash.model_card import card_info_from_folder, write_model_card
+
+    acceptance = None
+    if args.acceptance_json:
+        with open(args.acceptance_json) as file:
+            acceptance = json.load(file)
+        acceptance = acceptance.get("acceptance", acceptance)  # a bare mapping or a document with that key
+    try:
+        info = card_info_from_folder(
+            args.dir,
+            base_model=args.base_model,
+            drafter_repo_id=args.repo_id,
+            license=args.license,
+            acceptance=acceptance,
+        )
+    except (FileNotFoundError, ValueError) as error:
+        print(f"hf-dflash card: error: {error}", file=sys.stderr)
+        return 2
+    path = write_model_card(args.dir, info)
+    measured = ", ".join(f"{name} tau {result['tau']:.2f}" for name, result in info.acceptance.items())
+    print(path)
+    print(
+        f"drafter for {info.base_model}: block size {info.block_size}, {info.num_hidden_layers} layers, "
+        f"{info.layout} layout; {measured or 'acceptance not measured yet'}"
+    )
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from hf_dflash import DFlashForDrafting, benchmark, targets
+
+    target, tokenizer = targets.load_target(args.target, dtype=getattr(torch, args.dtype))
+    draft = DFlashForDrafting.from_pretrained(args.draft).to(target.dtype).eval()
+    defaults = benchmark.BenchmarkConfig()
+    config = benchmark.BenchmarkConfig(
+        datasets=tuple(args.datasets),
+        limit=args.limit,
+        methods=tuple(args.methods or defaults.methods),
+        full_comparison_limit=args.full_comparison_limit,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        do_sample=args.do_sample,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        draft_block_sizes=tuple(args.draft_block_sizes),
+        batch_sizes=tuple(args.batch_sizes),
+    )
+    report = benchmark.run_benchmark(config, target, tokenizer, draft)
+    report["conditions"]["target"] = args.target
+    report["conditions"]["command"] = "hf-dflash " + " ".join(sys.argv[1:])
+    report["conditions"]["draft_path"] = args.draft
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=1) + "\n")
+    plot = benchmark.save_plot(report, args.plot or output.with_suffix(".png"))
+    print(benchmark.render_table(report))
+    print(f"report: {output}  plot: {plot}")
+    if not report["identical"]:
+        print("hf-dflash bench: OUTPUTS DIFFER FROM PLAIN DECODING (or a method failed); see above", file=sys.stderr)
+    print(json.dumps(report))
+    return 0 if report["identical"] else 1
+
+
 def _timed(run):
     start = time.perf_counter()
     result = run()
     return result, time.perf_counter() - start
+
+
+def run_data(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from hf_dflash.data import end_of_turn_ids, load_training_dataset, regenerate_responses, training_prompts
+    from hf_dflash.targets import load_target
+
+    handler = logging.StreamHandler()  # show the data module's progress notes (resume, filtered prompts)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("hf_dflash").addHandler(handler)
+    logging.getLogger("hf_dflash").setLevel(logging.INFO)
+    start = time.perf_counter()
+    output = Path(args.output)
+    target, tokenizer = load_target(args.target)
+    prompts = training_prompts(
+        args.source,
+        args.num_prompts,
+        target=target,
+        tokenizer=tokenizer,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        synthetic_cache=output.with_name(f"{output.stem}.synthetic-prompts.jsonl"),
+        progress=True,
+    )
+    regenerate_responses(
+        target,
+        tokenizer,
+        prompts,
+        output,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+    records = load_training_dataset(output)
+    masks = records["loss_mask"]
+    supervised = sum(sum(mask) for mask in masks)
+    stop_ids = end_of_turn_ids(target, tokenizer)
+    ended = sum(ids[-1] in stop_ids for ids in records["input_ids"])
+    summary = {
+        "path": str(output),
+        "records": len(records),
+        "prompts": len(prompts),
+        "supervised_tokens": supervised,
+        "mean_response_tokens": round(supervised / len(records), 1),
+        "ended_with_eos": ended,
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
+    print(
+        f"{len(records)} records ({ended} ended their turn, the rest hit --max-new-tokens), "
+        f"{supervised} supervised tokens, {summary['wall_s']} s -> {output}"
+    )
+    print(json.dumps(summary))
+    return 0
+
+
+def run_train(argv: list[str]) -> int:
+    from hf_dflash.training_script import train_main
+
+    return train_main(argv)
 
 
 if __name__ == "__main__":

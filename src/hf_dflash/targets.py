@@ -47,6 +47,7 @@ class TargetSpec:
     gguf_file: str
     licence: str
     description: str
+    hub_id: str  # the original model on the Hub (the drafter card's `base_model`)
     # The package ships the GGUF in parts and joins them with `<module>.assemble()`, which must be imported.
     assembled: bool = False
 
@@ -61,6 +62,7 @@ KNOWN_TARGETS: dict[str, TargetSpec] = {
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         licence="Apache-2.0",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49,152, chat template), GGUF Q4_1",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "gemma3-270m": TargetSpec(
         name="gemma3-270m",
@@ -70,6 +72,7 @@ KNOWN_TARGETS: dict[str, TargetSpec] = {
         gguf_file="gemma-3-270m-q4_k_m.gguf",
         licence="Gemma Terms of Use (GEMMA_TERMS.html in the package)",
         description="Gemma-3-270m base (18 layers, hidden 640, vocab 262,144, sliding window), GGUF Q4_K_M",
+        hub_id="google/gemma-3-270m",
         assembled=True,
     ),
 }

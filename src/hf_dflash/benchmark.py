@@ -1,0 +1,730 @@
+"""Timed, alternating runs of every decoding path on real prompts, checked token for token against plain decoding.
+
+Design:
+
+- one process, one target, one drafter; a warm-up run of every method first, then for each prompt every method runs
+  once per repeat, in an order rotated per prompt and per repeat, so clock drift and background load hit all alike;
+- the methods (`default_methods`) are `plain` (`target.generate`, the baseline), `prompt_lookup`
+  (`prompt_lookup_num_tokens`), `native` (transformers' own DFlash path, `speculation_type="dflash"`), `assisted`
+  (`generate(assistant_model=draft)`, routed to `DFlashCandidateGenerator`) and `ours` (`speculative_generate`);
+- greedy runs must be token-identical to `plain` on every prompt and repeat; mismatches are collected, never hidden;
+- tokens/s per prompt use the median time over repeats; a dataset reports the median over prompts, the speedup as a
+  ratio of medians and as the median of per-prompt ratios, each computed on the prompts both methods ran;
+- `tokens_per_target_forward` counts the target's top-level forward calls with a hook (prefill included), so it is
+  the same measurement for every path (1.0 for plain decoding); `tau` and its histogram come from `SpeculativeStats`;
+- two optional sub-benchmarks: the draft's forward + LM head time per block size (paper, Figure 3), and batched
+  throughput of `speculative_generate` vs `target.generate` on left-padded batches.
+
+Functions return plain data (a JSON-ready dict); `render_table` and `save_plot` turn it into text and a PNG. Nothing
+here prints: progress goes through transformers' tqdm, messages through its logger.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.utils import logging
+
+from .generation_dflash import noise_block
+from .modeling_dflash import DFlashForDrafting
+from .speculative import SpeculativeStats, speculative_generate
+
+logger = logging.get_logger(__name__)
+
+BASELINE = "plain"
+ALL_METHODS = ("plain", "prompt_lookup", "native", "assisted", "ours")
+CORE_METHODS = ("plain", "assisted", "ours")  # what prompts beyond `full_comparison_limit` run
+
+# A method: (target, draft, input_ids [1, L], attention_mask [1, L], **generation kwargs) -> (sequences, stats | None)
+Method = Callable[..., tuple[torch.LongTensor, SpeculativeStats | None]]
+
+
+@dataclass
+class BenchmarkConfig:
+    """What `run_benchmark` runs. The prompt sets are read with `hf_dflash.prompts` unless prompts are passed in."""
+
+    datasets: tuple[str, ...] = ("gsm8k", "humaneval", "mt-bench")
+    limit: int = 10  # prompts per dataset
+    methods: tuple[str, ...] = ALL_METHODS  # `plain` is always added: it is the baseline
+    full_comparison_limit: int | None = None  # only the first M prompts of a dataset run every method; None: all do
+    max_new_tokens: int = 200
+    repeats: int = 1
+    do_sample: bool = False  # sampled outputs differ between paths by design: the identity check needs greedy
+    seed: int = 0
+    prompt_lookup_num_tokens: int = 10
+    warmup_new_tokens: int = 16  # enough for a couple of draft rounds on every path
+    draft_block_sizes: tuple[int, ...] = (4, 8, 16)  # empty: skip the draft-forward timing
+    draft_timing_repeats: int = 20
+    draft_context_len: int = 128  # cached context the timed draft forward attends to (a typical prompt length)
+    batch_sizes: tuple[int, ...] = (1, 4, 8)  # empty: skip the batched-throughput comparison
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class BenchmarkPrompt:
+    """A tokenized prompt: a stable id (`"gsm8k/17"`), its dataset, and `[L]` token ids (chat template applied)."""
+
+    id: str
+    dataset: str
+    input_ids: torch.LongTensor
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Methods
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _plain(target, draft, input_ids, attention_mask, **kwargs):
+    return target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), None
+
+
+def _prompt_lookup(target, draft, input_ids, attention_mask, num_tokens: int = 10, **kwargs):
+    out = target.generate(
+        input_ids=input_ids, attention_mask=attention_mask, prompt_lookup_num_tokens=num_tokens, **kwargs
+    )
+    return out, None
+
+
+def _native(target, draft, input_ids, attention_mask, **kwargs):
+    out = target.generate(
+        input_ids=input_ids, attention_mask=attention_mask, assistant_model=draft, speculation_type="dflash", **kwargs
+    )
+    return out, None
+
+
+def _assisted(target, draft, input_ids, attention_mask, **kwargs):
+    return target.generate(input_ids=input_ids, attention_mask=attention_mask, assistant_model=draft, **kwargs), None
+
+
+def _ours(target, draft, input_ids, attention_mask, **kwargs):
+    out = speculative_generate(target, draft, input_ids, attention_mask, **kwargs)
+    return out.sequences[:, : input_ids.shape[1] + out.num_new_tokens[0]], out.stats
+
+
+def default_methods(prompt_lookup_num_tokens: int = 10) -> dict[str, Method]:
+    """The five decoding paths, by name."""
+    return {
+        "plain": _plain,
+        "prompt_lookup": functools.partial(_prompt_lookup, num_tokens=prompt_lookup_num_tokens),
+        "native": _native,
+        "assisted": _assisted,
+        "ours": _ours,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Statistics (pure)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float | None:
+    """Median, or `None` for no values."""
+    return statistics.median(values) if len(values) else None
+
+
+def ratio_of_medians(values: Sequence[float], baseline: Sequence[float]) -> float | None:
+    """`median(values) / median(baseline)`; `None` when either is empty."""
+    if not len(values) or not len(baseline):
+        return None
+    return statistics.median(values) / statistics.median(baseline)
+
+
+def median_of_ratios(values: Sequence[float], baseline: Sequence[float]) -> float | None:
+    """Median of the paired ratios `values[i] / baseline[i]` (same prompts, same order)."""
+    if len(values) != len(baseline):
+        raise ValueError(f"Paired ratios need equal lengths, got {len(values)} and {len(baseline)}.")
+    return median([v / b for v, b in zip(values, baseline)])
+
+
+def first_difference(expected: Sequence[int], got: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), or `None` when identical."""
+    for index, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return index
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def count_new_tokens(generated: torch.LongTensor, eos_token_ids: Sequence[int]) -> list[int]:
+    """`[b, n]` generated ids -> per row, the tokens up to and including the first EOS (all of them if none)."""
+    counts = []
+    for row in generated.tolist():
+        stop = next((i for i, token in enumerate(row) if token in eos_token_ids), None)
+        counts.append(len(row) if stop is None else stop + 1)
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prompts and conditions
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_benchmark_prompts(tokenizer, datasets: Sequence[str], limit: int | None) -> list[BenchmarkPrompt]:
+    """The first `limit` prompts of each dataset, chat template applied, tokenized."""
+    from .prompts import apply_chat_template, load_prompts
+
+    prompts = []
+    for name in datasets:
+        for prompt in load_prompts(name, limit=limit):
+            ids = tokenizer(apply_chat_template(tokenizer, prompt), return_tensors="pt").input_ids[0]
+            prompts.append(BenchmarkPrompt(prompt.id, prompt.dataset, ids))
+    return prompts
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def benchmark_conditions(target: PreTrainedModel, draft: PreTrainedModel, config: BenchmarkConfig) -> dict[str, Any]:
+    """Everything a number depends on besides the code: machine, threads, versions, dtype, sizes."""
+    from . import __version__
+
+    device = target.device
+    return {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_dflash": __version__,
+        "target": getattr(target.config, "_name_or_path", None) or type(target).__name__,
+        "target_dtype": str(target.dtype).removeprefix("torch."),
+        "draft_dtype": str(draft.dtype).removeprefix("torch."),
+        "draft_layers": draft.config.num_hidden_layers,
+        "block_size": draft.config.block_size,
+        "max_new_tokens": config.max_new_tokens,
+        "repeats": config.repeats,
+        "do_sample": config.do_sample,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _ForwardCounter:
+    """Counts a module's top-level forward calls while active."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.calls = module, 0
+
+    def __enter__(self) -> _ForwardCounter:
+        self.handle = self.module.register_forward_hook(self._count)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def _count(self, *args) -> None:
+        self.calls += 1
+
+
+@dataclass
+class _Run:
+    prompt_id: str
+    method: str
+    repeat: int
+    seconds: float
+    new_tokens: int
+    target_forwards: int
+    tokens: list[int]
+    stats: SpeculativeStats | None = field(default=None, repr=False)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_run(method: Method, target, draft, input_ids, generation_kwargs) -> tuple[float, int, list[int], Any]:
+    """(seconds, target forwards, new tokens, stats) of one generation of one prompt."""
+    mask = torch.ones_like(input_ids)
+    with torch.no_grad(), _ForwardCounter(target) as counter:
+        _sync(input_ids.device)
+        start = time.perf_counter()
+        sequences, stats = method(target, draft, input_ids, mask, **generation_kwargs)
+        _sync(input_ids.device)
+        seconds = time.perf_counter() - start
+    return seconds, counter.calls, sequences[0, input_ids.shape[1] :].tolist(), stats
+
+
+def _methods_for(position: int, config: BenchmarkConfig, methods: Sequence[str]) -> list[str]:
+    """The methods prompt number `position` (within its dataset) runs."""
+    if config.full_comparison_limit is None or position < config.full_comparison_limit:
+        return list(methods)
+    return [m for m in methods if m in CORE_METHODS]
+
+
+def run_benchmark(
+    config: BenchmarkConfig,
+    target: PreTrainedModel,
+    tokenizer: Any,
+    draft: PreTrainedModel,
+    prompts: Sequence[BenchmarkPrompt] | None = None,
+    methods: dict[str, Method] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark and return the report (a JSON-ready dict; see `render_table` for what it holds).
+
+    Args:
+        config: what to run.
+        target, tokenizer, draft: the models; `tokenizer` is only used to load `config.datasets` and for its pad
+            token, so it may be `None` when `prompts` are given.
+        prompts: tokenized prompts to use instead of loading `config.datasets`.
+        methods: name -> method table, default `default_methods(config.prompt_lookup_num_tokens)`; every name in
+            `config.methods` must be in it.
+    """
+    methods = methods if methods is not None else default_methods(config.prompt_lookup_num_tokens)
+    names = [BASELINE] + [m for m in dict.fromkeys(config.methods) if m != BASELINE]
+    unknown = [m for m in names if m not in methods]
+    if unknown:
+        raise ValueError(f"Unknown methods {unknown}; known: {sorted(methods)}.")
+    if config.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {config.repeats}.")
+    if prompts is None:
+        prompts = load_benchmark_prompts(tokenizer, config.datasets, config.limit)
+    if not prompts:
+        raise ValueError("No prompts to benchmark.")
+    device = target.device
+    generation_kwargs = {"max_new_tokens": config.max_new_tokens, "do_sample": config.do_sample}
+    pad_token_id = _pad_token_id(target, tokenizer)
+    if pad_token_id is not None:
+        generation_kwargs["pad_token_id"] = pad_token_id
+
+    failed = _warm_up(target, draft, prompts[0], names, methods, generation_kwargs, config)
+    names = [m for m in names if m not in failed]
+    if BASELINE in failed:
+        raise RuntimeError(f"The baseline failed during warm-up: {failed[BASELINE]}")
+
+    plan = []  # (prompt, methods it runs)
+    position_in_dataset: dict[str, int] = {}
+    for prompt in prompts:
+        position = position_in_dataset.get(prompt.dataset, 0)
+        position_in_dataset[prompt.dataset] = position + 1
+        plan.append((prompt, _methods_for(position, config, names)))
+
+    runs: list[_Run] = []
+    total = sum(len(m) for _, m in plan) * config.repeats
+    with logging.tqdm(total=total, desc="bench", unit="run", disable=not config.progress) as bar:
+        for index, (prompt, prompt_methods) in enumerate(plan):
+            input_ids = prompt.input_ids.to(device)[None]
+            for repeat in range(config.repeats):
+                shift = (index + repeat) % len(prompt_methods)
+                for name in prompt_methods[shift:] + prompt_methods[:shift]:
+                    if config.do_sample:
+                        torch.manual_seed(config.seed + index)
+                    seconds, forwards, tokens, stats = _timed_run(
+                        methods[name], target, draft, input_ids, generation_kwargs
+                    )
+                    runs.append(_Run(prompt.id, name, repeat, seconds, len(tokens), forwards, tokens, stats))
+                    bar.set_postfix_str(f"{prompt.id} {name} {len(tokens) / seconds:.1f} tok/s")
+                    bar.update(1)
+
+    mismatches = [] if config.do_sample else find_mismatches(runs)
+    for mismatch in mismatches:
+        logger.error(f"OUTPUT MISMATCH vs {BASELINE}: {mismatch}")
+    per_prompt = _per_prompt(runs)
+    datasets = list(dict.fromkeys(p.dataset for p in prompts))
+    summaries = {name: summarize(per_prompt, [p.id for p in prompts if p.dataset == name], names) for name in datasets}
+    if len(datasets) > 1:
+        summaries["all"] = summarize(per_prompt, [p.id for p in prompts], names)
+    for name, summary in summaries.items():
+        summary |= _speculative_summary(runs, [p.id for p in prompts if name == "all" or p.dataset == name])
+
+    report = {
+        "conditions": benchmark_conditions(target, draft, config),
+        "config": asdict(config),
+        "methods": names,
+        "failed_methods": failed,
+        "prompts": [
+            {
+                "id": prompt.id,
+                "dataset": prompt.dataset,
+                "prompt_tokens": int(prompt.input_ids.shape[0]),
+                "methods": prompt_methods,
+                "full_comparison": len(prompt_methods) == len(names),
+            }
+            for prompt, prompt_methods in plan
+        ],
+        "identity_checked": not config.do_sample,
+        "identical": not mismatches and not failed,
+        "mismatches": mismatches,
+        "datasets": summaries,
+        "per_prompt": per_prompt,
+    }
+    if config.draft_block_sizes:
+        report["draft_forward"] = time_draft_forward(
+            target, draft, config.draft_block_sizes, config.draft_timing_repeats, config.draft_context_len
+        )
+    if config.batch_sizes:
+        report["batch"] = measure_batch_throughput(
+            target, draft, prompts, config.batch_sizes, generation_kwargs, config.repeats, config.progress
+        )
+    return report
+
+
+def _pad_token_id(target: PreTrainedModel, tokenizer: Any) -> int | None:
+    if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
+        return tokenizer.pad_token_id
+    config = target.generation_config
+    if config.pad_token_id is not None:
+        return config.pad_token_id
+    eos = config.eos_token_id
+    return eos[0] if isinstance(eos, (list, tuple)) else eos
+
+
+def _warm_up(target, draft, prompt, names, methods, generation_kwargs, config) -> dict[str, str]:
+    """Run every method once on a short budget; returns the methods that raised, with their error."""
+    kwargs = generation_kwargs | {"max_new_tokens": min(config.warmup_new_tokens, config.max_new_tokens)}
+    input_ids = prompt.input_ids.to(target.device)[None]
+    failed = {}
+    for name in names:
+        try:
+            _timed_run(methods[name], target, draft, input_ids, kwargs)
+        except Exception as error:  # a path that cannot run is a result, reported; the others still run
+            logger.error(f"Method {name!r} failed during warm-up and is left out: {error!r}")
+            failed[name] = repr(error)
+    return failed
+
+
+def find_mismatches(runs: Sequence[_Run]) -> list[dict[str, Any]]:
+    """Every run whose new tokens differ from the baseline's first run on the same prompt."""
+    reference = {r.prompt_id: r.tokens for r in runs if r.method == BASELINE and r.repeat == 0}
+    mismatches = []
+    for run in runs:
+        expected = reference[run.prompt_id]
+        index = first_difference(expected, run.tokens)
+        if index is not None:
+            mismatches.append(
+                {
+                    "prompt_id": run.prompt_id,
+                    "method": run.method,
+                    "repeat": run.repeat,
+                    "first_difference": index,
+                    "expected_tokens": len(expected),
+                    "got_tokens": len(run.tokens),
+                    "expected": expected[index : index + 5],
+                    "got": run.tokens[index : index + 5],
+                }
+            )
+    return mismatches
+
+
+def _per_prompt(runs: Sequence[_Run]) -> dict[str, dict[str, dict[str, Any]]]:
+    """prompt id -> method -> new tokens, times over repeats, tokens/s at the median time, tokens per target forward."""
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        entry = table.setdefault(run.prompt_id, {}).setdefault(
+            run.method, {"new_tokens": run.new_tokens, "target_forwards": run.target_forwards, "seconds": []}
+        )
+        entry["seconds"].append(run.seconds)
+    for methods in table.values():
+        for entry in methods.values():
+            entry["tokens_per_s"] = entry["new_tokens"] / median(entry["seconds"])
+            entry["tokens_per_target_forward"] = entry["new_tokens"] / max(entry["target_forwards"], 1)
+    return table
+
+
+def summarize(per_prompt: dict, prompt_ids: Sequence[str], methods: Sequence[str]) -> dict[str, Any]:
+    """Per method over `prompt_ids`: median tokens/s and the two speedups vs the baseline on the same prompts."""
+    summary = {}
+    for method in methods:
+        ids = [i for i in prompt_ids if method in per_prompt.get(i, {}) and BASELINE in per_prompt[i]]
+        rates = [per_prompt[i][method]["tokens_per_s"] for i in ids]
+        baseline = [per_prompt[i][BASELINE]["tokens_per_s"] for i in ids]
+        tokens = sum(per_prompt[i][method]["new_tokens"] for i in ids)
+        forwards = sum(per_prompt[i][method]["target_forwards"] for i in ids)
+        summary[method] = {
+            "prompts": len(ids),
+            "tokens_per_s": median(rates),
+            "speedup_ratio_of_medians": ratio_of_medians(rates, baseline),
+            "speedup_median_of_ratios": median_of_ratios(rates, baseline),
+            "tokens_per_target_forward": tokens / forwards if forwards else None,
+        }
+    return {"methods": summary}
+
+
+def _speculative_summary(runs: Sequence[_Run], prompt_ids: Sequence[str]) -> dict[str, Any]:
+    """tau and its histogram (first repeat: greedy repeats are identical) and draft/verify time per round (all)."""
+    ids = set(prompt_ids)
+    ours = [r for r in runs if r.stats is not None and r.prompt_id in ids]
+    if not ours:
+        return {}
+    first = SpeculativeStats()
+    for run in ours:
+        if run.repeat == 0:
+            first.merge(copy.deepcopy(run.stats))
+    rounds = sum(r.stats.num_rounds for r in ours)
+    return {
+        "tau": first.tau,
+        "tau_histogram": first.histogram,
+        "draft_ms_per_round": 1000 * sum(r.stats.draft_time_s for r in ours) / max(rounds, 1),
+        "verify_ms_per_round": 1000 * sum(r.stats.verify_time_s for r in ours) / max(rounds, 1),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sub-benchmarks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def time_draft_forward(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    block_sizes: Sequence[int],
+    repeats: int = 20,
+    context_len: int = 128,
+) -> list[dict[str, Any]]:
+    """Median time of one draft step (forward over `[anchor, MASK x (B-1)]` + the target's LM head on the B-1
+    drafted positions) for a fresh drafter with the same layers, per block size B.
+
+    The step is the one inside the decoding loop: `context_len` context tokens already cached, one new context token.
+    """
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    device, num_features = target.device, len(draft.config.target_layer_ids) * draft.config.hidden_size
+    results = []
+    for block_size in block_sizes:
+        config = copy.deepcopy(draft.config)
+        config.block_size = block_size
+        torch.manual_seed(0)
+        fresh = DFlashForDrafting(config).to(device=device, dtype=draft.dtype).eval()
+        cache = DynamicCache(config=fresh.config)
+        anchor = torch.zeros(1, 1, dtype=torch.long, device=device)
+        block = embed(noise_block(anchor, block_size, config.mask_token_id))  # [1, B, H]
+        context = torch.randn(1, context_len, num_features, device=device, dtype=draft.dtype)
+        fresh(block, context, torch.arange(context_len + block_size, device=device)[None], cache=cache)
+        cache.crop(-block_size)  # keep the context K/V, as the loop does
+        new_context = context[:, :1]
+        positions = torch.arange(context_len, context_len + 1 + block_size, device=device)[None]
+        step_times, head_times = [], []
+        for attempt in range(repeats + 2):  # two warm-up steps
+            _sync(device)
+            start = time.perf_counter()
+            hidden = fresh(block, new_context, positions, cache=cache).last_hidden_state
+            _sync(device)
+            head_start = time.perf_counter()
+            lm_head(hidden[:, 1:])
+            _sync(device)
+            end = time.perf_counter()
+            cache.crop(-(block_size + 1))  # back to `context_len` cached tokens
+            if attempt >= 2:
+                step_times.append(end - start)
+                head_times.append(end - head_start)
+        results.append(
+            {
+                "block_size": block_size,
+                "draft_layers": config.num_hidden_layers,
+                "median_ms": 1000 * median(step_times),
+                "lm_head_median_ms": 1000 * median(head_times),
+                "repeats": repeats,
+                "context_len": context_len,
+            }
+        )
+        logger.info(f"draft step at block size {block_size}: {results[-1]['median_ms']:.2f} ms")
+    return results
+
+
+def _left_pad(rows: Sequence[torch.LongTensor], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, length - len(row) :] = row
+        mask[i, length - len(row) :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def measure_batch_throughput(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    prompts: Sequence[BenchmarkPrompt],
+    batch_sizes: Sequence[int],
+    generation_kwargs: dict[str, Any],
+    repeats: int = 1,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Tokens/s of batched `target.generate` vs batched `speculative_generate` on left-padded batches of the first
+    prompts (reused cyclically when there are fewer prompts than the batch size)."""
+    device = target.device
+    pad = generation_kwargs.get("pad_token_id")
+    pad = 0 if pad is None else pad
+    eos = target.generation_config.eos_token_id
+    eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    results = []
+    for batch_size in logging.tqdm(batch_sizes, desc="batch", disable=not progress):
+        chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
+        ids, mask = (t.to(device) for t in _left_pad([p.input_ids for p in chosen], pad))
+        warm = generation_kwargs | {"max_new_tokens": min(8, generation_kwargs["max_new_tokens"])}
+        target.generate(input_ids=ids, attention_mask=mask, **warm)
+        speculative_generate(target, draft, ids, mask, **warm)
+        times: dict[str, list[float]] = {"plain": [], "ours": []}
+        for repeat in range(repeats):
+            for name in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
+                _sync(device)
+                start = time.perf_counter()
+                if name == "plain":
+                    generated = target.generate(input_ids=ids, attention_mask=mask, **generation_kwargs)
+                    generated = generated[:, ids.shape[1] :]
+                    plain_counts = count_new_tokens(generated, eos_ids)
+                    plain_rows = [row[:n] for row, n in zip(generated.tolist(), plain_counts)]
+                else:
+                    out = speculative_generate(target, draft, ids, mask, **generation_kwargs)
+                    ours_counts = out.num_new_tokens
+                    ours_rows = [
+                        row[ids.shape[1] : ids.shape[1] + n] for row, n in zip(out.sequences.tolist(), ours_counts)
+                    ]
+                _sync(device)
+                times[name].append(time.perf_counter() - start)
+        plain_rate = sum(plain_counts) / median(times["plain"])
+        ours_rate = sum(ours_counts) / median(times["ours"])
+        identical = plain_rows == ours_rows
+        if not identical and not generation_kwargs.get("do_sample"):
+            logger.warning(f"Batch {batch_size}: speculative_generate and batched target.generate differ.")
+        results.append(
+            {
+                "batch_size": batch_size,
+                "prompt_ids": [p.id for p in chosen],
+                "plain_tokens_per_s": plain_rate,
+                "ours_tokens_per_s": ours_rate,
+                "speedup": ours_rate / plain_rate,
+                "plain_new_tokens": sum(plain_counts),
+                "ours_new_tokens": sum(ours_counts),
+                "identical": identical,
+            }
+        )
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The report as fixed-width text: per dataset and method, then tau, timing, sub-benchmarks, identity verdict."""
+    lines = []
+    c = report["conditions"]
+    lines.append(
+        f"{c['target']} ({c['target_dtype']}) | draft {c['draft_layers']} layer(s), block {c['block_size']} | "
+        f"max_new_tokens {c['max_new_tokens']} | repeats {c['repeats']} | {c['cpu']} | "
+        f"torch {c['torch']} threads {c['torch_threads']} | OMP_WAIT_POLICY={c['OMP_WAIT_POLICY']}"
+    )
+    full = [p["id"] for p in report["prompts"] if p["full_comparison"]]
+    if len(full) < len(report["prompts"]):
+        lines.append(f"every method ran on: {', '.join(full)}; the other prompts ran only {', '.join(CORE_METHODS)}")
+    header = f"{'dataset':10s} {'method':14s} {'prompts':>7s} {'tok/s':>8s} {'x (medians)':>11s} {'x (per-prompt)':>14s} {'tok/fwd':>8s}"
+    lines += ["", header, "-" * len(header)]
+    for dataset, summary in report["datasets"].items():
+        for method, row in summary["methods"].items():
+            lines.append(
+                f"{dataset:10s} {method:14s} {row['prompts']:7d} {_fmt(row['tokens_per_s'], 1):>8s} "
+                f"{_fmt(row['speedup_ratio_of_medians']):>11s} {_fmt(row['speedup_median_of_ratios']):>14s} "
+                f"{_fmt(row['tokens_per_target_forward']):>8s}"
+            )
+        if "tau" in summary:
+            lines.append(
+                f"{dataset:10s} ours: tau {summary['tau']:.2f}, histogram {summary['tau_histogram']}, "
+                f"draft {summary['draft_ms_per_round']:.1f} ms/round, verify {summary['verify_ms_per_round']:.1f} ms/round"
+            )
+    if report.get("draft_forward"):
+        lines += [
+            "",
+            "draft step (forward + LM head), median ms: "
+            + ", ".join(
+                f"B={r['block_size']}: {r['median_ms']:.2f} (head {r['lm_head_median_ms']:.2f})"
+                for r in report["draft_forward"]
+            ),
+        ]
+    if report.get("batch"):
+        lines.append("")
+        for r in report["batch"]:
+            lines.append(
+                f"batch {r['batch_size']}: plain {r['plain_tokens_per_s']:.1f} tok/s, ours {r['ours_tokens_per_s']:.1f} "
+                f"tok/s, x{r['speedup']:.2f}, identical {r['identical']}"
+            )
+    lines.append("")
+    if report["failed_methods"]:
+        lines.append(f"FAILED METHODS: {report['failed_methods']}")
+    if not report["identity_checked"]:
+        lines.append("outputs not compared (sampling)")
+    elif report["mismatches"]:
+        lines.append(f"OUTPUT MISMATCHES vs plain: {len(report['mismatches'])}")
+        lines += [f"  {m}" for m in report["mismatches"]]
+    else:
+        lines.append(f"identical outputs: every method matched plain on all {len(report['prompts'])} prompts")
+    return "\n".join(lines)
+
+
+def save_plot(report: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Bars of median tokens/s per method per dataset, and the speedup (ratio of medians), as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    datasets = list(report["datasets"])
+    methods = report["methods"]
+    figure = Figure(figsize=(max(6, 1.8 * len(datasets) + 3), 7), layout="constrained")
+    FigureCanvasAgg(figure)
+    rate_axes, speed_axes = figure.subplots(2, 1, sharex=True)
+    width = 0.8 / len(methods)
+    for k, method in enumerate(methods):
+        rows = [report["datasets"][d]["methods"].get(method, {}) for d in datasets]
+        xs = [i + (k - (len(methods) - 1) / 2) * width for i in range(len(datasets))]
+        rate_axes.bar(xs, [r.get("tokens_per_s") or 0 for r in rows], width, label=method)
+        speed_axes.bar(xs, [r.get("speedup_ratio_of_medians") or 0 for r in rows], width, label=method)
+    rate_axes.set_ylabel("tokens/s (median)")
+    c = report["conditions"]
+    title = f"{Path(str(c['target'])).name}, block {c['block_size']}, {c['max_new_tokens']} new tokens\n{c['cpu']}"
+    figure.suptitle(title, fontsize=9)
+    figure.legend(*rate_axes.get_legend_handles_labels(), loc="outside lower center", ncols=min(len(methods), 5))
+    speed_axes.axhline(1.0, color="grey", linewidth=0.8)
+    speed_axes.set_ylabel("speedup vs plain (ratio of medians)")
+    speed_axes.set_xticks(range(len(datasets)), datasets)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+__all__ = [
+    "ALL_METHODS",
+    "BenchmarkConfig",
+    "BenchmarkPrompt",
+    "default_methods",
+    "load_benchmark_prompts",
+    "median",
+    "median_of_ratios",
+    "ratio_of_medians",
+    "render_table",
+    "run_benchmark",
+    "save_plot",
+]

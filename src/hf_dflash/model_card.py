@@ -1,0 +1,246 @@
+"""Model cards for DFlash drafters, rendered from the Jinja template `hub_cards/dflash_drafter.md`.
+
+info = card_info_from_folder("out/qwen3-8b-dflash", base_model="Qwen/Qwen3-8B")   # config.json + training_info.json
+write_model_card("out/qwen3-8b-dflash", info)                                      # README.md, shown by the Hub
+
+Every number in a card comes from the drafter's `config.json` or from what the caller measured (`training` and
+`acceptance` in `DrafterCardInfo`, usually from the trainer's `training_info.json`). Nothing is filled in from the
+paper: without measurements the card says "not measured yet".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+from transformers.utils import logging
+
+from .configuration_dflash import DFlashConfig
+from .modeling_dflash import detect_layout
+
+logger = logging.get_logger(__name__)
+
+TEMPLATE = "dflash_drafter.md"
+TRAINING_INFO_FILE = "training_info.json"  # written by the trainer next to the weights
+ZLAB_SUBFOLDER = "zlab"  # where a repo in the hf-dflash layout keeps its copy in the z-lab (vLLM/SGLang) layout
+DEFAULT_TAGS = ["dflash", "speculative-decoding", "arxiv:2602.06036", "hf-dflash", "draft-model"]
+
+# Labels of the `training` keys the trainer writes, in table order; other keys follow with their name as label.
+TRAINING_LABELS = {
+    "data": "Training data",
+    "data_sources": "Training data",
+    "num_sequences": "Sequences",
+    "chat_template": "Chat template",
+    "max_length": "Max sequence length",
+    "anchors_per_sequence": "Anchors per sequence",
+    "gamma": "Loss decay gamma",
+    "loss_decay_gamma": "Loss decay gamma",
+    "steps": "Optimizer steps",
+    "epochs": "Epochs",
+    "batch_size": "Batch size",
+    "learning_rate": "Learning rate",
+    "wall_time": "Wall time",
+    "wall_time_s": "Wall time",
+    "machine": "Machine",
+}
+
+
+@dataclass
+class DrafterCardInfo:
+    """What a drafter's model card says. `training` and `acceptance` hold measured facts only.
+
+    `training` keys (all optional): `data` (list of sources), `num_sequences`, `chat_template` (bool),
+    `max_length`, `anchors_per_sequence`, `gamma` (loss decay), `steps`, `epochs`, `batch_size`, `learning_rate`,
+    `wall_time` (text) or `wall_time_s` (seconds), `machine`; other keys are listed under their own name.
+    `acceptance` maps a dataset name to `{"tau": float, "speedup": float | None, "conditions": str}`.
+    """
+
+    base_model: str  # the target: a Hub repo id (goes into the metadata) or a name
+    block_size: int
+    num_hidden_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int | None = None
+    num_target_layers: int | None = None
+    target_name: str | None = None  # human name of the target; default: the repo id's last part
+    drafter_repo_id: str | None = None  # used in the snippets; default "<your-org>/<target>-DFlash-b<B>"
+    license: str = "apache-2.0"
+    layout: str = "hf-dflash"  # checkpoint layout at the repo root: "hf-dflash" or "z-lab"
+    zlab_subfolder: str | None = None  # subfolder holding a z-lab-layout copy (what vLLM and SGLang read)
+    training: dict[str, Any] = field(default_factory=dict)
+    acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
+    datasets: list[str] = field(default_factory=list)  # dataset repo ids for the metadata
+    extra_tags: list[str] = field(default_factory=list)
+
+
+def render_model_card(info: DrafterCardInfo) -> ModelCard:
+    """The model card (YAML metadata + markdown body) of a drafter."""
+    if info.block_size < 2:
+        raise ValueError(
+            f"block_size must be >= 2 (the anchor plus at least one drafted token), got {info.block_size}."
+        )
+    short_name = info.base_model.rstrip("/").split("/")[-1]
+    repo_id = info.drafter_repo_id or f"<your-org>/{short_name}-DFlash-b{info.block_size}"
+    base_model_is_repo = _is_hub_repo_id(info.base_model)
+    if not base_model_is_repo:
+        logger.warning(f"base_model {info.base_model!r} is not a Hub repo id; it is left out of the card metadata.")
+    card_data = ModelCardData(
+        base_model=info.base_model if base_model_is_repo else None,
+        library_name="transformers",
+        license=info.license,
+        tags=list(dict.fromkeys(DEFAULT_TAGS + list(info.extra_tags))),
+        datasets=list(info.datasets) or None,
+        inference=False,  # a drafter cannot generate on its own, so no widget
+    )
+    local_dir = repo_id.split("/")[-1].strip("<>")
+    if info.layout == "z-lab":
+        serve_model = repo_id
+    elif info.zlab_subfolder:
+        serve_model = f"{local_dir}/{info.zlab_subfolder}"
+    else:
+        serve_model = f"{local_dir}-zlab"
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(resources.files("hf_dflash") / "hub_cards" / TEMPLATE),
+        title=f"DFlash drafter for {info.target_name or short_name}",
+        base_model=info.base_model,
+        base_model_is_repo=base_model_is_repo,
+        repo_id=repo_id,
+        block_size=info.block_size,
+        num_speculative_tokens=info.block_size - 1,
+        target_layers_text=("layer " if len(info.target_layer_ids) == 1 else "layers ")
+        + ", ".join(str(i) for i in info.target_layer_ids),
+        layout=info.layout,
+        zlab_subfolder=info.zlab_subfolder,
+        local_dir=local_dir,
+        serve_model=serve_model,
+        chat_template=info.training.get("chat_template"),
+        training_rows=_training_rows(info),
+        acceptance_rows=_acceptance_rows(info.acceptance),
+    )
+
+
+def write_model_card(folder: str | os.PathLike, info: DrafterCardInfo) -> Path:
+    """Render the card into `folder/README.md`; the file is replaced whole (temp file + `os.replace`)."""
+    folder = Path(folder)
+    text = str(render_model_card(info))
+    fd, tmp = tempfile.mkstemp(prefix=".README.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(tmp, folder / "README.md")
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return folder / "README.md"
+
+
+def card_info_from_folder(folder: str | os.PathLike, **overrides: Any) -> DrafterCardInfo:
+    """Card info from a saved drafter: `config.json` (hf-dflash or z-lab layout), then `training_info.json` if
+    present, then `overrides` (`None` values are ignored)."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; is it a saved DFlash drafter?")
+    config_dict = json.loads(config_path.read_text())
+    layout = detect_layout(config_dict)
+    for name in ("model_type", "architectures", "auto_map", "transformers_version"):
+        config_dict.pop(name, None)
+    config = DFlashConfig(**config_dict)  # lifts z-lab's nested `dflash_config`, fills defaults as loading would
+    values: dict[str, Any] = {
+        "block_size": config.block_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "target_layer_ids": list(config.target_layer_ids or []),
+        "mask_token_id": config.mask_token_id,
+        "num_target_layers": config.num_target_layers,
+        "layout": layout,
+    }
+    if (folder / ZLAB_SUBFOLDER / "config.json").is_file():
+        values["zlab_subfolder"] = ZLAB_SUBFOLDER
+    if (folder / TRAINING_INFO_FILE).is_file():
+        known = {f.name for f in fields(DrafterCardInfo)}
+        for name, value in json.loads((folder / TRAINING_INFO_FILE).read_text()).items():
+            if name in known:
+                values[name] = value
+            else:
+                logger.warning(f"Ignoring unknown key {name!r} in {folder / TRAINING_INFO_FILE}.")
+    values |= {name: value for name, value in overrides.items() if value is not None}
+    if not values.get("base_model"):
+        raise ValueError(
+            f"The target of {folder} is unknown: pass base_model= (CLI: --base-model) or write it into "
+            f"{TRAINING_INFO_FILE}."
+        )
+    return DrafterCardInfo(**values)
+
+
+def _training_rows(info: DrafterCardInfo) -> list[tuple[str, str]]:
+    rows = [
+        ("Target", f"`{info.base_model}`"),
+        ("Block size", f"{info.block_size} ({info.block_size - 1} drafted tokens per block)"),
+        ("Draft layers", str(info.num_hidden_layers)),
+        ("Target layers read", ", ".join(str(i) for i in info.target_layer_ids) or "-"),
+    ]
+    if info.num_target_layers is not None:
+        rows[-1] = (rows[-1][0], f"{rows[-1][1]} (of {info.num_target_layers})")
+    if info.mask_token_id is not None:
+        rows.append(("Mask token id", str(info.mask_token_id)))
+    order = list(TRAINING_LABELS)
+    keys = sorted(info.training, key=lambda k: order.index(k) if k in order else len(order))
+    for key in keys:
+        value = info.training[key]
+        if value is None:
+            continue
+        label = TRAINING_LABELS.get(key, key.replace("_", " ").capitalize())
+        rows.append((label, _cell(_format_duration(value) if key == "wall_time_s" else value)))
+    return rows
+
+
+def _acceptance_rows(acceptance: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for dataset, result in acceptance.items():
+        speedup = result.get("speedup")
+        rows.append(
+            (
+                _cell(dataset),
+                f"{float(result['tau']):.2f}",
+                "not measured" if speedup is None else f"{float(speedup):.2f}x",
+                _cell(result.get("conditions") or ""),
+            )
+        )
+    return rows
+
+
+def _cell(value: Any) -> str:
+    """A value as one markdown table cell."""
+    if isinstance(value, bool):
+        text = "yes" if value else "no"
+    elif isinstance(value, float):
+        text = f"{value:g}"
+    elif isinstance(value, (list, tuple)):
+        text = ", ".join(str(item) for item in value)
+    else:
+        text = str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _format_duration(seconds: float) -> str:
+    minutes = round(float(seconds) / 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
+
+
+def _is_hub_repo_id(name: str) -> bool:
+    """`org/name` that is not a local path (what the Hub accepts as `base_model`)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.count("/") != 1 or Path(name).exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True

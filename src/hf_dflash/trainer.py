@@ -1,0 +1,497 @@
+"""`DFlashTrainer`: train a DFlash drafter for any causal LM with the transformers `Trainer`.
+
+One step (algorithm.md section 3; `N` anchors per sequence, `B` block size, `T` sequence length, `V` vocabulary):
+
+1. target (frozen, `no_grad`): features `cat(hs[l + 1] for l in target_layer_ids)` `[b, T, n*H]` of every position;
+2. draft: all `N` blocks `[x_a, MASK x (B-1)]` of a sequence in one forward, keys `[context (T) ; blocks (N*B)]`,
+   with the collator's mask (context `t < a`, own block both ways) -> hidden `[b, N*B, H]`, the very forward that
+   `speculative_generate` runs at inference (a test pins them together bit for bit);
+3. loss: the target's LM head on the supervised slots only, in chunks (memory does not grow with `N*B*V`), weighted
+   cross-entropy `sum w_k m_k CE_k / sum w_k m_k` normalised over the whole optimizer step (gradient accumulation and
+   data parallel: `num_items_in_batch` counts loss weights, not tokens); optionally mixed with a KL term against the
+   target's own distribution at the same position (`distill_weight`).
+
+The target is a teacher: never in the optimizer, never saved, kept in eval mode; the draft shares its frozen
+embedding and LM head. Checkpoints hold the draft only and are reloaded and compared after every save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.utils import logging
+
+from .collator import (
+    DataCollatorForDFlash,
+    default_loss_decay_gamma,
+    flex_block_mask,
+    simulated_acceptance_length,
+)
+from .generation_dflash import check_draft_fits_target, context_features
+from .modeling_dflash import DFlashForDrafting, DFlashLayouts
+from .speculative import speculative_generate
+
+logger = logging.get_logger(__name__)
+
+ATTENTION_BACKENDS = ("sdpa", "eager", "flex_attention")
+TRAINING_INFO_FILE = "training_info.json"
+
+
+@dataclass
+class DFlashTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the DFlash settings. Defaults follow the public recipes that reproduced the paper
+    (AdamW, lr 6e-4, cosine, 4% warmup, no weight decay, clip 1.0) except epochs, which depend on the data size."""
+
+    block_size: int = field(default=16, metadata={"help": "Block size B: one anchor plus B-1 drafted tokens."})
+    num_draft_layers: int = field(default=1, metadata={"help": "Decoder layers of a new drafter (paper: 1 to 8)."})
+    num_anchors: int = field(
+        default=64, metadata={"help": "Random anchors (blocks) per sequence, re-drawn per epoch."}
+    )
+    loss_decay_gamma: float | None = field(
+        default=None,
+        metadata={"help": "gamma in w_k = exp(-(k-1)/gamma); default by block size (7 at 16, 5 at 10, 4 at 8)."},
+    )
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Target layers whose outputs feed the draft; default: the paper's rule."}
+    )
+    mask_token_id: int | None = field(
+        default=None, metadata={"help": "Embedding row of the MASK token; default: hf_dflash.choose_mask_token_id."}
+    )
+    max_length: int = field(default=2048, metadata={"help": "Sequences are truncated to this many tokens."})
+    attention_backend: str = field(
+        default="sdpa", metadata={"help": f"Draft attention during training: one of {ATTENTION_BACKENDS}."}
+    )
+    distill_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "0: cross-entropy on the target's tokens; 1: KL to the target's distribution; between: mix."
+        },
+    )
+    lm_head_chunk_size: int = field(default=1024, metadata={"help": "Supervised slots per LM-head + loss chunk."})
+    real_acceptance_steps: int = field(
+        default=0, metadata={"help": "Every this many steps, measure the real tau with speculative_generate (0: off)."}
+    )
+    real_acceptance_max_new_tokens: int = field(default=64, metadata={"help": "Tokens per prompt for the real tau."})
+    save_zlab_layout: bool = field(
+        default=False, metadata={"help": "Also write the z-lab layout (vLLM, SGLang) into `<checkpoint>/zlab`."}
+    )
+    learning_rate: float = 6e-4
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: float = 0.04
+    weight_decay: float = 0.0
+    remove_unused_columns: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2, got {self.block_size}.")
+        if not 1 <= self.num_draft_layers <= 64:
+            raise ValueError(f"num_draft_layers must be between 1 and 64, got {self.num_draft_layers}.")
+        if self.num_anchors < 1:
+            raise ValueError(f"num_anchors must be at least 1, got {self.num_anchors}.")
+        if self.loss_decay_gamma is None:
+            self.loss_decay_gamma = default_loss_decay_gamma(self.block_size)
+        if self.loss_decay_gamma <= 0:
+            raise ValueError(f"loss_decay_gamma must be positive, got {self.loss_decay_gamma}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}.")
+        if self.lm_head_chunk_size < 1 or self.max_length < 2:
+            raise ValueError("lm_head_chunk_size must be >= 1 and max_length >= 2.")
+        if self.remove_unused_columns:
+            raise ValueError(
+                "DFlashTrainer needs remove_unused_columns=False (the draft's forward takes no input_ids)."
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The training forward and loss (pure functions: the tests call them directly)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def target_forward(
+    target: PreTrainedModel, batch: dict[str, torch.Tensor], layer_ids: list[int], want_logits: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[b, T, n*H]` draft context features of every position, and `[b, T, V]` target logits if `want_logits`."""
+    out = target(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        output_hidden_states=[i + 1 for i in layer_ids],
+        use_cache=False,
+        **({} if want_logits else {"logits_to_keep": 1}),
+    )
+    features = context_features(out.hidden_states, layer_ids, batch["input_ids"].shape[1])
+    return features, (out.logits if want_logits else None)
+
+
+def draft_training_forward(
+    draft: nn.Module, embed_tokens: nn.Module, features: torch.Tensor, batch: dict[str, Any], attention_mask: Any
+) -> torch.Tensor:
+    """All blocks of every sequence in one draft forward -> `[b, N*B, H]` (after the draft's final norm)."""
+    with torch.no_grad():
+        noise_embeds = embed_tokens(batch["noise_ids"])  # [b, N*B, H], frozen target embedding
+    out = draft(
+        noise_embeds=noise_embeds,
+        context_hidden_states=features,
+        position_ids=batch["position_ids"],
+        attention_mask=attention_mask,
+    )
+    return out.last_hidden_state
+
+
+@dataclass
+class BlockLoss:
+    """Summed weighted loss of a batch, and per-slot correct/supervised counts (`[B]`, slot 0 always 0)."""
+
+    weighted_sum: torch.Tensor
+    correct: torch.Tensor
+    supervised: torch.Tensor
+
+
+def block_loss(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    loss_weights: torch.Tensor,
+    block_size: int,
+    chunk_size: int = 1024,
+    teacher_logits: torch.Tensor | None = None,
+    distill_weight: float = 0.0,
+) -> BlockLoss:
+    """`sum_k w_k * m_k * loss_k` over supervised slots, computed in checkpointed chunks of `chunk_size` slots.
+
+    `loss_k` is cross-entropy against `labels` (the target's tokens), or `(1 - d) * CE + d * KL(p_target || q)` with
+    `teacher_logits` (`[b, N*B, V]`, the target's logits for the same token) and `d = distill_weight`.
+    """
+    weights = loss_weights.flatten()
+    rows = torch.nonzero(weights > 0).flatten()  # only supervised slots reach the LM head
+    slots = rows % block_size
+    flat_hidden = hidden.flatten(0, 1)[rows]
+    flat_labels = labels.flatten()[rows]
+    flat_teacher = teacher_logits.flatten(0, 1)[rows] if teacher_logits is not None else None
+    weighted_sum = hidden.sum() * 0.0  # touches every trainable parameter even when nothing is supervised
+    correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
+    for start in range(0, rows.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        teacher = flat_teacher[part] if flat_teacher is not None else None
+        chunk_sum, hits = checkpoint(
+            _chunk_loss,
+            flat_hidden[part],
+            lm_head,
+            flat_labels[part],
+            weights[rows][part],
+            teacher,
+            distill_weight,
+            use_reentrant=False,
+        )
+        weighted_sum = weighted_sum + chunk_sum
+        correct += torch.bincount(slots[part][hits], minlength=block_size)
+    supervised = torch.bincount(slots, minlength=block_size)
+    return BlockLoss(weighted_sum, correct, supervised)
+
+
+def _chunk_loss(hidden, lm_head, labels, weights, teacher_logits, distill_weight):
+    logits = lm_head(hidden).float()  # [rows, V]
+    loss = F.cross_entropy(logits, labels, reduction="none")
+    if teacher_logits is not None and distill_weight > 0:
+        teacher = teacher_logits.float().log_softmax(-1)
+        kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+        loss = (1 - distill_weight) * loss + distill_weight * kl
+    hits = logits.argmax(-1) == labels
+    return (loss * weights).sum(), hits
+
+
+def gather_teacher_logits(target_logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[b, N*B, V]`: the target's logits that predict each slot's token (position `a + k - 1`)."""
+    block_positions = batch["position_ids"][:, batch["input_ids"].shape[1] :]
+    source = (block_positions - 1).clamp(min=0, max=target_logits.shape[1] - 1)
+    return target_logits.gather(1, source[..., None].expand(-1, -1, target_logits.shape[-1]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class DFlashTrainer(Trainer):
+    """A `Trainer` whose model is a `DFlashForDrafting` and whose teacher is the frozen `target`.
+
+    Args:
+        model: the drafter to train (e.g. `DFlashForDrafting.from_target(target, ...)`); it is all that is optimised
+            and saved.
+        target: the causal LM the drafter speculates for; frozen, in eval mode, prepared by accelerate for
+            evaluation only.
+        args: `DFlashTrainingArguments`.
+        train_dataset / eval_dataset: items with `input_ids` and `loss_mask` (see `hf_dflash.data`).
+        data_collator: defaults to `DataCollatorForDFlash` built from `args` and the drafter's config.
+        acceptance_prompts: `[1, prompt_len]` tensors of held-out prompts; with `args.real_acceptance_steps` the real
+            speculative loop runs on them every that many steps and logs `real_tau` next to the simulated `sim_tau`.
+        training_info: free-form facts for the model card (data sources, machine, ...), saved next to the weights.
+    """
+
+    def __init__(
+        self,
+        model: DFlashForDrafting,
+        target: PreTrainedModel,
+        args: DFlashTrainingArguments,
+        data_collator: Any | None = None,
+        acceptance_prompts: list[torch.Tensor] | None = None,
+        training_info: dict | None = None,
+        **kwargs: Any,
+    ):
+        if not isinstance(args, DFlashTrainingArguments):
+            raise TypeError("DFlashTrainer needs DFlashTrainingArguments (block size, anchors, gamma, ...).")
+        check_draft_fits_target(target, model, max_batch_size=None)
+        model.set_attn_implementation(args.attention_backend)
+        if data_collator is None:
+            data_collator = DataCollatorForDFlash(
+                block_size=model.config.block_size,
+                num_anchors=args.num_anchors,
+                mask_token_id=model.config.mask_token_id,
+                pad_token_id=_pad_token_id(target),
+                loss_decay_gamma=args.loss_decay_gamma,
+                max_length=args.max_length,
+                seed=args.seed,
+                dense_mask=args.attention_backend != "flex_attention",
+            )
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        self.model_accepts_loss_kwargs = True  # our loss is already normalised over the optimizer step
+        self.target = self.accelerator.prepare_model(target.requires_grad_(False).eval(), evaluation_mode=True)
+        self.embed_tokens = self.target.get_input_embeddings()
+        self.lm_head = self.target.get_output_embeddings()
+        self.acceptance_prompts = acceptance_prompts or []
+        self.training_info = dict(training_info or {})
+        self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(int), "eval": defaultdict(int)}
+        self.add_callback(_EpochAnchorsCallback(data_collator))
+        if args.real_acceptance_steps and self.acceptance_prompts:
+            self.add_callback(RealAcceptanceCallback(self, args.real_acceptance_steps))
+
+    # -- loss ----------------------------------------------------------------------------------------------------------
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | None = None,
+    ):
+        """Weighted block loss divided by the optimizer step's total loss weight (`num_items_in_batch`)."""
+        block_size = self.accelerator.unwrap_model(model).config.block_size
+        distill = self.args.distill_weight > 0
+        features, target_logits = target_forward(self.target, inputs, self._layer_ids(model), want_logits=distill)
+        hidden = draft_training_forward(model, self.embed_tokens, features, inputs, self._draft_mask(inputs))
+        teacher = gather_teacher_logits(target_logits, inputs) if distill else None
+        result = block_loss(
+            hidden,
+            self.lm_head,
+            inputs["labels"],
+            inputs["loss_weights"],
+            block_size,
+            self.args.lm_head_chunk_size,
+            teacher,
+            self.args.distill_weight,
+        )
+        denominator = num_items_in_batch if num_items_in_batch is not None else inputs["loss_weights"].sum()
+        loss = result.weighted_sum / torch.as_tensor(denominator, device=hidden.device).clamp(min=1e-6)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
+        self._record(result, "train" if model.training else "eval")
+        return (loss, {"hidden": hidden}) if return_outputs else loss
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+        """Total loss weight of the optimizer step (all micro-batches, all processes)."""
+        if not batch_samples:
+            return None
+        total = sum(batch["loss_weights"].sum() for batch in batch_samples).to(device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            total = self.accelerator.gather(total).sum()
+        return total
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=None)
+        return loss.detach(), None, None
+
+    def _layer_ids(self, model: nn.Module) -> list[int]:
+        return list(self.accelerator.unwrap_model(model).config.target_layer_ids)
+
+    def _draft_mask(self, inputs: dict[str, Any]) -> Any:
+        if "draft_attention_mask" in inputs:
+            return inputs["draft_attention_mask"]
+        block_size = self.accelerator.unwrap_model(self.model).config.block_size
+        return flex_block_mask(
+            inputs["anchor_positions"], inputs["anchor_valid"], inputs["attention_mask"], block_size
+        )
+
+    # -- metrics -------------------------------------------------------------------------------------------------------
+
+    def _record(self, result: BlockLoss, mode: str) -> None:
+        metrics = self._metrics[mode]
+        metrics["correct"] = metrics["correct"] + result.correct.detach()
+        metrics["supervised"] = metrics["supervised"] + result.supervised.detach()
+
+    def slot_accuracy(self, mode: str = "train") -> list[float]:
+        """Accuracy of slots 1..B-1 since the last log (NaN for a slot that was never supervised)."""
+        metrics = self._metrics[mode]
+        if isinstance(metrics["supervised"], int):
+            return []
+        correct = self.accelerator.reduce(metrics["correct"], reduction="sum")
+        supervised = self.accelerator.reduce(metrics["supervised"], reduction="sum")
+        return [c / s if s else math.nan for c, s in zip(correct[1:].tolist(), supervised[1:].tolist())]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add per-slot accuracy `acc_k` and the simulated acceptance length `sim_tau` to the usual logs."""
+        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        accuracy = self.slot_accuracy(mode)
+        if accuracy and ("loss" in logs or "eval_loss" in logs):
+            prefix = "eval_" if mode == "eval" else ""
+            logs[f"{prefix}acc_1"] = accuracy[0]
+            logs[f"{prefix}acc_mean"] = sum(a for a in accuracy if not math.isnan(a)) / max(len(accuracy), 1)
+            logs[f"{prefix}sim_tau"] = simulated_acceptance_length(accuracy)
+            self._metrics[mode] = defaultdict(int)
+        super().log(logs, start_time)
+
+    # -- real acceptance -----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def measure_real_acceptance(self, max_new_tokens: int | None = None) -> dict[str, float]:
+        """Run the real speculative loop (greedy) with the target on `acceptance_prompts`; return `real_tau`."""
+        draft = self.accelerator.unwrap_model(self.model)
+        was_training = draft.training
+        draft.eval()
+        budget = max_new_tokens or self.args.real_acceptance_max_new_tokens
+        lengths: list[int] = []
+        try:
+            for prompt in self.acceptance_prompts:
+                prompt = prompt.to(self.target.device)
+                out = speculative_generate(self.target, draft, prompt, max_new_tokens=budget, do_sample=False)
+                lengths += out.stats.acceptance_lengths
+        finally:
+            draft.train(was_training)
+        return {"real_tau": sum(lengths) / max(len(lengths), 1)}
+
+    # -- saving --------------------------------------------------------------------------------------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save the draft only (hf-dflash layout, plus z-lab on request), then reload it and compare every weight."""
+        output_dir = output_dir or self.args.output_dir
+        super()._save(output_dir, state_dict)
+        if not self.args.should_save:
+            return
+        draft = self.accelerator.unwrap_model(self.model)
+        verify_saved_draft(draft, output_dir)
+        if self.args.save_zlab_layout:
+            draft.save_pretrained(Path(output_dir) / "zlab", layout=DFlashLayouts.ZLAB)
+            verify_saved_draft(draft, Path(output_dir) / "zlab")
+        self._write_training_info(output_dir)
+
+    def _write_training_info(self, output_dir: str | os.PathLike) -> None:
+        draft = self.accelerator.unwrap_model(self.model)
+        info = dict(self.training_info)
+        info.setdefault("base_model", getattr(self.target.config, "_name_or_path", None))
+        info["training"] = {
+            **info.get("training", {}),
+            "block_size": draft.config.block_size,
+            "num_draft_layers": draft.config.num_hidden_layers,
+            "target_layer_ids": list(draft.config.target_layer_ids),
+            "anchors_per_sequence": self.args.num_anchors,
+            "loss_decay_gamma": self.args.loss_decay_gamma,
+            "learning_rate": self.args.learning_rate,
+            "epochs": self.args.num_train_epochs,
+            "steps": self.state.global_step,
+            "max_length": self.args.max_length,
+            "distill_weight": self.args.distill_weight,
+        }
+        path = Path(output_dir) / TRAINING_INFO_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, path)
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """Render the drafter's model card (`hub_cards/`) instead of the generic Trainer card."""
+        from .model_card import card_info_from_folder, write_model_card
+
+        if self.is_world_process_zero():
+            self._write_training_info(self.args.output_dir)
+            write_model_card(self.args.output_dir, card_info_from_folder(self.args.output_dir))
+
+
+def verify_saved_draft(draft: DFlashForDrafting, folder: str | os.PathLike) -> None:
+    """Reload `folder` and check every weight equals the draft's (nothing missing, nothing re-initialised)."""
+    reloaded = DFlashForDrafting.from_pretrained(folder, dtype=draft.dtype)
+    saved, expected = reloaded.state_dict(), draft.state_dict()
+    if saved.keys() != expected.keys():
+        raise RuntimeError(f"{folder}: saved weights {sorted(saved)} differ from the draft's {sorted(expected)}.")
+    for name, tensor in expected.items():
+        if not torch.equal(saved[name].cpu(), tensor.detach().cpu()):
+            raise RuntimeError(f"{folder}: weight {name} changed on save/reload; the checkpoint is not trustworthy.")
+
+
+class _EpochAnchorsCallback(TrainerCallback):
+    """Re-draw the collator's anchors at every epoch."""
+
+    def __init__(self, collator: Any):
+        self.collator = collator
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if hasattr(self.collator, "set_epoch"):
+            self.collator.set_epoch(int(state.epoch or 0))
+
+
+class RealAcceptanceCallback(TrainerCallback):
+    """Every `every_n_steps` optimizer steps (and at the end), log the real acceptance length `real_tau`."""
+
+    def __init__(self, trainer: DFlashTrainer, every_n_steps: int):
+        self.trainer = trainer
+        self.every_n_steps = every_n_steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every_n_steps == 0:
+            self._measure()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every_n_steps != 0:
+            self._measure()
+
+    def _measure(self) -> None:
+        metrics = self.trainer.measure_real_acceptance()
+        self.trainer.training_info.setdefault("real_tau_history", []).append(
+            [self.trainer.state.global_step, metrics["real_tau"]]
+        )
+        self.trainer.log(metrics)
+
+
+def _pad_token_id(target: PreTrainedModel) -> int:
+    config = target.config.get_text_config()
+    for candidate in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(candidate, (list, tuple)):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+__all__ = [
+    "BlockLoss",
+    "DFlashTrainer",
+    "DFlashTrainingArguments",
+    "RealAcceptanceCallback",
+    "block_loss",
+    "draft_training_forward",
+    "target_forward",
+    "verify_saved_draft",
+]

@@ -1,0 +1,139 @@
+"""`hf-dflash train`: train a drafter for a target on a regenerated dataset (`hf-dflash data`), then save and card it.
+
+Every `TrainingArguments` / `DFlashTrainingArguments` field is a flag (`--learning_rate`, `--block_size`, ...), parsed by
+`HfArgumentParser`, so the command runs as is under `accelerate launch -m hf_dflash.cli train ...`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedModel
+from transformers.utils import logging
+
+from .data import load_training_dataset
+from .modeling_dflash import DFlashForDrafting
+from .targets import KNOWN_TARGETS, load_target
+from .trainer import DFlashTrainer, DFlashTrainingArguments
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class TrainScriptArguments:
+    """What to train on: the target, the regenerated data, and where a drafter starts from."""
+
+    data: str = field(metadata={"help": "JSONL written by `hf-dflash data` (input_ids, loss_mask, prompt_len)."})
+    target: str = field(
+        default="smollm2-135m-instruct",
+        metadata={"help": f"A packaged target ({', '.join(KNOWN_TARGETS)}) or a model folder / Hub id."},
+    )
+    target_dtype: str = field(default="float32", metadata={"help": "dtype of the frozen target (and the drafter)."})
+    init_draft: str | None = field(default=None, metadata={"help": "Start from this drafter folder instead of fresh."})
+    acceptance_holdout: int = field(
+        default=4, metadata={"help": "Records held out of training whose prompts measure the real tau."}
+    )
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """Parse the flags, train, save the drafter with its model card, and print a summary. Returns an exit code."""
+    parser = HfArgumentParser((TrainScriptArguments, DFlashTrainingArguments))
+    script, args = parser.parse_args_into_dataclasses(args=argv)
+    logging.set_verbosity_info() if args.should_log else logging.set_verbosity_warning()
+    start = time.perf_counter()
+    target, tokenizer = _load_target(script.target, getattr(torch, script.target_dtype))
+    dataset = load_training_dataset(script.data)
+    held_out = dataset.select(range(len(dataset) - script.acceptance_holdout, len(dataset)))
+    train_dataset = dataset.select(range(len(dataset) - script.acceptance_holdout))
+    prompts = [
+        torch.tensor(ids[:length])[None] for ids, length in zip(held_out["input_ids"], _prompt_lengths(held_out))
+    ]
+    draft = _initial_draft(script, args, target, tokenizer)
+    trainer = DFlashTrainer(
+        model=draft.train(),
+        target=target,
+        args=args,
+        train_dataset=train_dataset,
+        acceptance_prompts=prompts,
+        training_info=_training_info(script, train_dataset),
+    )
+    before = trainer.measure_real_acceptance()["real_tau"] if prompts else None
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    after = trainer.measure_real_acceptance()["real_tau"] if prompts else None
+    wall_s = time.perf_counter() - start
+    trainer.training_info["training"]["wall_time_s"] = round(wall_s)
+    trainer.training_info["acceptance"] = _held_out_acceptance(before, after, len(prompts), args)
+    trainer.save_model()
+    trainer.create_model_card()
+    if args.push_to_hub:
+        trainer.push_to_hub()
+    if trainer.is_world_process_zero():
+        print(
+            f"trained {trainer.state.global_step} steps on {len(train_dataset)} sequences in {wall_s / 60:.1f} min; "
+            f"real tau on {len(prompts)} held-out prompts: {before} before, {after} after -> {args.output_dir}"
+        )
+    return 0
+
+
+def _load_target(name: str, dtype: torch.dtype) -> tuple[PreTrainedModel, object]:
+    if name in KNOWN_TARGETS:
+        return load_target(name, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError):  # a model folder without tokenizer: pass --mask_token_id
+        tokenizer = None
+    return model, tokenizer
+
+
+def _initial_draft(
+    script: TrainScriptArguments, args: DFlashTrainingArguments, target, tokenizer
+) -> DFlashForDrafting:
+    if script.init_draft:
+        return DFlashForDrafting.from_pretrained(script.init_draft).to(target.dtype)
+    overrides = {
+        name: getattr(args, name) for name in ("target_layer_ids", "mask_token_id") if getattr(args, name) is not None
+    }
+    torch.manual_seed(args.seed)
+    return DFlashForDrafting.from_target(
+        target, num_hidden_layers=args.num_draft_layers, block_size=args.block_size, tokenizer=tokenizer, **overrides
+    )
+
+
+def _prompt_lengths(dataset) -> list[int]:
+    if "prompt_len" in dataset.column_names:
+        return list(dataset["prompt_len"])
+    return [mask.index(1) for mask in dataset["loss_mask"]]
+
+
+def _training_info(script: TrainScriptArguments, train_dataset) -> dict:
+    sources = Counter(train_dataset["source"]) if "source" in train_dataset.column_names else {}
+    return {
+        "base_model": KNOWN_TARGETS[script.target].hub_id if script.target in KNOWN_TARGETS else script.target,
+        "target_name": script.target,
+        "training": {
+            "data": ", ".join(f"{name} ({count})" for name, count in sorted(sources.items())) or script.data,
+            "num_sequences": len(train_dataset),
+            "supervised_tokens": sum(sum(mask) for mask in train_dataset["loss_mask"]),
+            "chat_template": "target's own (responses regenerated by the target)",
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+        },
+    }
+
+
+def _held_out_acceptance(before, after, num_prompts: int, args: DFlashTrainingArguments) -> dict:
+    if after is None:
+        return {}
+    conditions = (
+        f"{num_prompts} held-out training-distribution prompts, greedy, {args.real_acceptance_max_new_tokens} new "
+        f"tokens, speculative_generate; untrained drafter: tau {before:.2f}"
+    )
+    return {"held-out": {"tau": round(after, 3), "speedup": None, "conditions": conditions}}
+
+
+__all__ = ["TrainScriptArguments", "train_main"]

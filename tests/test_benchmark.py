@@ -1,0 +1,218 @@
+import json
+
+import pytest
+import torch
+from helpers import make_draft, make_target
+
+from hf_dflash.benchmark import (
+    ALL_METHODS,
+    BenchmarkConfig,
+    BenchmarkPrompt,
+    count_new_tokens,
+    default_methods,
+    first_difference,
+    median,
+    median_of_ratios,
+    ratio_of_medians,
+    render_table,
+    run_benchmark,
+    save_plot,
+    summarize,
+)
+
+PROMPTS = [
+    BenchmarkPrompt("toy/0", "toy", torch.tensor([5, 6, 7, 8, 5, 6, 7, 8])),
+    BenchmarkPrompt("toy/1", "toy", torch.tensor([9, 10, 11, 12, 13])),
+    BenchmarkPrompt("toy/2", "toy", torch.tensor([3, 4, 3, 4, 3, 4, 3])),
+    BenchmarkPrompt("other/0", "other", torch.tensor([20, 21, 22, 20, 21])),
+]
+
+
+def tiny_config(**overrides) -> BenchmarkConfig:
+    fields = dict(max_new_tokens=12, warmup_new_tokens=4, draft_block_sizes=(), batch_sizes=(), progress=False)
+    return BenchmarkConfig(**(fields | overrides))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama")
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return make_draft(target, block_size=4, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def report(target, draft):
+    config = tiny_config(repeats=2, full_comparison_limit=2, draft_block_sizes=(2, 4), batch_sizes=(1, 3))
+    return run_benchmark(config, target, None, draft, prompts=PROMPTS)
+
+
+# -- statistics --------------------------------------------------------------------------------------------------------
+
+
+def test_statistics_on_hand_made_numbers():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([1.0, 2.0, 3.0, 10.0]) == 2.5
+    assert median([]) is None
+    assert ratio_of_medians([2.0, 4.0, 6.0], [1.0, 2.0, 100.0]) == 2.0
+    assert median_of_ratios([2.0, 4.0, 6.0], [1.0, 2.0, 100.0]) == 2.0  # ratios 2, 2, 0.06
+    assert median_of_ratios([3.0, 1.0], [1.0, 1.0]) == 2.0
+    assert ratio_of_medians([], [1.0]) is None
+    with pytest.raises(ValueError, match="equal lengths"):
+        median_of_ratios([1.0], [1.0, 2.0])
+
+
+def test_first_difference_and_new_token_counts():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2
+    assert count_new_tokens(torch.tensor([[4, 2, 0, 0], [4, 5, 6, 7]]), eos_token_ids=[2]) == [2, 4]
+
+
+def test_summarize_pairs_each_method_with_plain_on_the_same_prompts():
+    per_prompt = {
+        "a": {"plain": _entry(10, 1.0, 10), "ours": _entry(10, 0.5, 5), "native": _entry(10, 0.25, 4)},
+        "b": {"plain": _entry(10, 2.0, 10), "ours": _entry(10, 0.5, 4)},
+        "c": {"plain": _entry(10, 0.5, 10), "ours": _entry(10, 0.5, 6)},
+    }
+    summary = summarize(per_prompt, ["a", "b", "c"], ["plain", "ours", "native"])["methods"]
+    assert summary["plain"]["tokens_per_s"] == 10.0  # rates 10, 5, 20
+    assert summary["ours"]["tokens_per_s"] == 20.0  # rates 20, 20, 20
+    assert summary["ours"]["speedup_ratio_of_medians"] == 2.0
+    assert summary["ours"]["speedup_median_of_ratios"] == 2.0  # ratios 2, 4, 1
+    assert summary["ours"]["tokens_per_target_forward"] == 2.0  # 30 tokens, 15 forwards
+    assert summary["native"]["prompts"] == 1
+    assert summary["native"]["speedup_ratio_of_medians"] == 4.0  # against plain on prompt "a" only
+
+
+def _entry(new_tokens, seconds, forwards):
+    return {
+        "new_tokens": new_tokens,
+        "target_forwards": forwards,
+        "tokens_per_s": new_tokens / seconds,
+        "tokens_per_target_forward": new_tokens / forwards,
+    }
+
+
+# -- the benchmark on a tiny target ------------------------------------------------------------------------------------
+
+
+def test_report_covers_every_method_and_outputs_are_identical(report):
+    assert report["methods"] == list(ALL_METHODS)
+    assert report["failed_methods"] == {}
+    assert report["identical"] and report["mismatches"] == []
+    assert set(report["datasets"]) == {"toy", "other", "all"}
+    for summary in report["datasets"].values():
+        assert set(summary["methods"]) == set(ALL_METHODS)
+        assert summary["methods"]["plain"]["speedup_ratio_of_medians"] == 1.0
+        assert summary["methods"]["plain"]["tokens_per_target_forward"] == 1.0
+        assert summary["tau"] >= 1.0
+        assert len(summary["tau_histogram"]) == 4 + 1
+    json.dumps(report)  # JSON-ready
+
+
+def test_full_comparison_limit_is_per_dataset(report):
+    methods = {p["id"]: p["methods"] for p in report["prompts"]}
+    assert set(methods["toy/0"]) == set(methods["toy/1"]) == set(methods["other/0"]) == set(ALL_METHODS)
+    assert set(methods["toy/2"]) == {"plain", "assisted", "ours"}
+    assert [p["full_comparison"] for p in report["prompts"]] == [True, True, False, True]
+    assert report["datasets"]["toy"]["methods"]["native"]["prompts"] == 2
+    assert report["datasets"]["toy"]["methods"]["ours"]["prompts"] == 3
+    assert len(report["per_prompt"]["toy/0"]["ours"]["seconds"]) == 2  # repeats
+
+
+def test_conditions_are_recorded(report):
+    conditions = report["conditions"]
+    for key in ("OMP_WAIT_POLICY", "torch_threads", "torch", "transformers", "cpu", "target_dtype", "block_size"):
+        assert key in conditions
+    assert conditions["block_size"] == 4 and conditions["max_new_tokens"] == 12
+
+
+def test_sub_benchmarks(report):
+    assert [r["block_size"] for r in report["draft_forward"]] == [2, 4]
+    assert all(r["median_ms"] > 0 for r in report["draft_forward"])
+    batch = report["batch"]
+    assert [r["batch_size"] for r in batch] == [1, 3]
+    assert all(r["identical"] and r["plain_new_tokens"] == r["ours_new_tokens"] for r in batch)
+
+
+def test_a_wrong_token_is_detected(target, draft):
+    methods = default_methods()
+
+    def broken(target, draft, input_ids, attention_mask, **kwargs):
+        sequences, stats = methods["plain"](target, draft, input_ids, attention_mask, **kwargs)
+        sequences = sequences.clone()
+        sequences[0, -3] = (sequences[0, -3] + 1) % 90
+        return sequences, stats
+
+    config = tiny_config(methods=("plain", "ours", "broken"))
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:2], methods=methods | {"broken": broken})
+    assert not report["identical"]
+    assert {m["method"] for m in report["mismatches"]} == {"broken"}
+    assert {m["prompt_id"] for m in report["mismatches"]} == {"toy/0", "toy/1"}
+    assert all(m["first_difference"] == 12 - 3 for m in report["mismatches"])
+    assert "OUTPUT MISMATCHES" in render_table(report)
+
+
+def test_a_method_that_raises_is_reported(target, draft):
+    def raises(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    config = tiny_config(methods=("ours", "raises"))
+    report = run_benchmark(
+        config, target, None, draft, prompts=PROMPTS[:1], methods=default_methods() | {"raises": raises}
+    )
+    assert report["methods"] == ["plain", "ours"] and "boom" in report["failed_methods"]["raises"]
+    assert not report["identical"]
+
+
+def test_table_and_plot(report, tmp_path):
+    table = render_table(report)
+    for method in ALL_METHODS:
+        assert method in table
+    assert "identical outputs" in table and "every method ran on: toy/0, toy/1, other/0" in table
+    path = save_plot(report, tmp_path / "plots" / "bench.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_path, target, draft):
+    from hf_dflash import DFlashForDrafting, benchmark, cli, targets
+
+    real_run = benchmark.run_benchmark
+    monkeypatch.setattr(targets, "load_target", lambda name, dtype=None: (target, None))
+    monkeypatch.setattr(DFlashForDrafting, "from_pretrained", classmethod(lambda cls, path: draft))
+    monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:1]))
+    output = tmp_path / "bench.json"
+    argv = ["bench", "--draft", "unused", "--max-new-tokens", "6", "--methods", "ours", "--output", str(output)]
+    argv += ["--draft-block-sizes", "--batch-sizes"]
+    assert cli.main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == json.loads(output.read_text())
+    assert json.loads(last)["config"]["methods"] == ["ours"]
+    assert output.with_suffix(".png").is_file()
+
+    broken = dict(default_methods())
+    broken["ours"] = lambda *args, **kwargs: (torch.zeros(1, 20, dtype=torch.long), None)
+    monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:1], methods=broken))
+    assert cli.main(argv) == 1
+    assert "OUTPUT MISMATCHES" in capsys.readouterr().out
+
+
+def test_native_and_assisted_take_their_own_paths(monkeypatch, target, draft):
+    from transformers import GenerationMixin
+
+    seen = []
+    routing = GenerationMixin._get_candidate_generator
+
+    def spy(self, *args, **kwargs):
+        generator = routing(self, *args, **kwargs)
+        seen.append(type(generator).__name__)
+        return generator
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
+    config = tiny_config(methods=("native", "assisted", "prompt_lookup"))
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1])
+    assert report["identical"]
+    assert set(seen) == {"DFlashTokenCandidateGenerator", "DFlashCandidateGenerator", "PromptLookupCandidateGenerator"}

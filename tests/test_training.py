@@ -1,0 +1,406 @@
+"""DFlashTrainer and its collator: training must be the inference forward, with the known training bugs pinned."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import PAD, make_draft, make_target
+from huggingface_hub import RepoUrl
+
+from hf_dflash import DFlashForDrafting, speculative_generate
+from hf_dflash.collator import (
+    IGNORE_INDEX,
+    DataCollatorForDFlash,
+    anchor_candidates,
+    default_loss_decay_gamma,
+    dense_block_mask,
+    flex_mask_mod,
+    simulated_acceptance_length,
+)
+from hf_dflash.trainer import (
+    DFlashTrainer,
+    DFlashTrainingArguments,
+    block_loss,
+    draft_training_forward,
+    target_forward,
+)
+
+B = 4
+MASK = PAD
+
+
+def _collator(**kwargs) -> DataCollatorForDFlash:
+    defaults = {"block_size": B, "num_anchors": 2, "mask_token_id": MASK, "pad_token_id": 0}
+    return DataCollatorForDFlash(**(defaults | kwargs))
+
+
+def _args(tmp_path, **kwargs) -> DFlashTrainingArguments:
+    defaults = {
+        "output_dir": str(tmp_path / "out"),
+        "block_size": 8,
+        "num_anchors": 40,
+        "per_device_train_batch_size": 4,
+        "report_to": "none",
+        "save_strategy": "no",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "warmup_steps": 0.0,
+    }
+    return DFlashTrainingArguments(**(defaults | kwargs))
+
+
+def _regenerated(target, num_sequences=4, prompt_len=6, new_tokens=40, seed=0):
+    """Sequences whose responses the target wrote itself (greedy), with a loss mask over the response."""
+    generator = torch.Generator().manual_seed(seed)
+    records, prompts = [], []
+    for _ in range(num_sequences):
+        prompt = torch.randint(0, PAD - 1, (1, prompt_len), generator=generator)
+        with torch.no_grad():
+            sequence = target.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0]
+        records.append({"input_ids": sequence.tolist(), "loss_mask": [0] * prompt_len + [1] * new_tokens})
+        prompts.append(prompt)
+    return records, prompts
+
+
+# -- the collator on hand-made sequences -----------------------------------------------------------------------------
+
+
+def test_labels_are_same_position_tokens_of_the_response_only():
+    ids = [10, 11, 12, 13, 14, 15, 16, 17]
+    loss_mask = [0, 0, 1, 1, 1, 1, 1, 0]  # prompt 10 11, response 12..16, an unsupervised 17
+    batch = _collator().collate_with_anchors(
+        [{"input_ids": ids, "loss_mask": loss_mask}], torch.tensor([[2, 5]]), torch.tensor([[True, True]])
+    )
+    assert batch["noise_ids"].tolist() == [[12, MASK, MASK, MASK, 15, MASK, MASK, MASK]]
+    # slot k of the block anchored at a predicts x_{a+k} (no shift); slot 0 and tokens outside the response: no loss
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, 13, 14, 15, IGNORE_INDEX, 16, IGNORE_INDEX, IGNORE_INDEX]]
+    assert batch["position_ids"].tolist() == [list(range(8)) + [2, 3, 4, 5, 5, 6, 7, 8]]
+    weights = batch["loss_weights"][0]
+    assert weights[0] == 0 and weights[1] == 1.0
+    assert weights[2] == pytest.approx(math.exp(-1 / default_loss_decay_gamma(B)))
+    assert weights[6] == 0 and weights[7] == 0  # label 17 unsupervised, position 8 past the end
+
+
+def test_context_is_strictly_before_the_anchor_and_blocks_do_not_leak():
+    ids = list(range(20, 30))
+    batch = _collator().collate_with_anchors(
+        [{"input_ids": ids, "loss_mask": [1] * 10}], torch.tensor([[3, 5]]), torch.tensor([[True, True]])
+    )
+    mask = batch["draft_attention_mask"][0, 0]  # [N*B, T + N*B]
+    context, blocks = mask[:, :10], mask[:, 10:]
+    for slot in range(B):
+        assert context[slot].tolist() == [t < 3 for t in range(10)]  # `<`, not `<=`: the anchor has no feature
+        assert context[B + slot].tolist() == [t < 5 for t in range(10)]
+    # overlapping blocks (positions 3..6 and 5..8) still see only themselves
+    assert blocks[:B, :B].all() and not blocks[:B, B:].any()
+    assert blocks[B:, B:].all() and not blocks[B:, :B].any()
+
+
+def test_padded_blocks_and_padded_tokens_are_invisible():
+    features = [
+        {"input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [1] * 6},
+        {"input_ids": [7, 8, 9], "loss_mask": [1] * 3},
+    ]
+    batch = _collator().collate_with_anchors(
+        features, torch.tensor([[4, 5], [2, 0]]), torch.tensor([[True, True], [True, False]])
+    )
+    mask = batch["draft_attention_mask"][:, 0]
+    assert not mask[1, B:].any()  # the second row's padded block sees nothing
+    assert (batch["loss_weights"][1, B:] == 0).all() and (batch["labels"][1, B:] == IGNORE_INDEX).all()
+    assert mask[1, :B, :6].tolist() == [[True, True, False, False, False, False]] * B  # no padded context keys
+    assert batch["attention_mask"].tolist() == [[1] * 6, [1, 1, 1, 0, 0, 0]]
+
+
+def test_anchors_are_supervised_sorted_and_redrawn_each_epoch():
+    loss_mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0])
+    assert anchor_candidates(loss_mask).tolist() == [2, 3, 6, 7, 8, 9, 10, 11, 12, 13]
+    feature = {"input_ids": list(range(16)), "loss_mask": loss_mask.tolist()}
+    collator = _collator(num_anchors=4, seed=3)
+    first = collator([feature])["anchor_positions"][0]
+    assert collator([feature])["anchor_positions"][0].tolist() == first.tolist()  # deterministic within an epoch
+    assert first.tolist() == sorted(first.tolist()) and set(first.tolist()) <= set(
+        anchor_candidates(loss_mask).tolist()
+    )
+    draws = set()
+    for epoch in range(6):
+        collator.set_epoch(epoch)
+        draws.add(tuple(collator([feature])["anchor_positions"][0].tolist()))
+    assert len(draws) > 1
+
+
+def test_fewer_candidates_than_anchors_gives_padded_blocks():
+    batch = _collator(num_anchors=5)([{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}])
+    assert batch["anchor_valid"].tolist() == [[True, True, False, False, False]]
+
+
+def test_flex_block_mask_selects_the_same_keys_as_the_dense_mask():
+    from torch.nn.attention.flex_attention import create_mask
+
+    features = [
+        {"input_ids": list(range(1, 13)), "loss_mask": [0, 0] + [1] * 10},
+        {"input_ids": [5] * 7, "loss_mask": [1] * 7},
+    ]
+    batch = _collator(num_anchors=3, seed=1)(features)
+    args = (batch["anchor_positions"], batch["anchor_valid"], batch["attention_mask"], B)
+    mask_mod, (batch_size, q_len, kv_len) = flex_mask_mod(*args)
+    flex = create_mask(mask_mod, batch_size, None, q_len, kv_len, device="cpu")
+    assert torch.equal(flex, dense_block_mask(*args))
+    assert flex.any() and not flex.all()
+
+
+def test_simulated_acceptance_length():
+    assert simulated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert simulated_acceptance_length([]) == 1.0
+
+
+# -- training == inference -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gemma3"])
+def test_training_forward_is_the_inference_forward(family):
+    """Every block the real loop drafted, recomputed by the training forward (all blocks in one pass)."""
+    target = make_target(family)
+    draft = make_draft(target, block_size=B, num_hidden_layers=2)
+    drafted = []
+    hook = draft.register_forward_hook(
+        lambda module, args, kwargs, out: drafted.append((int(kwargs["position_ids"][0, -B]), out.last_hidden_state)),
+        with_kwargs=True,
+    )
+    prompt = torch.randint(0, PAD - 1, (1, 9), generator=torch.Generator().manual_seed(0))
+    sequence = speculative_generate(target, draft, prompt, max_new_tokens=24).sequences[0]
+    hook.remove()
+    anchors = torch.tensor([[anchor for anchor, _ in drafted]])
+    collator = _collator(num_anchors=anchors.shape[1])
+    record = {"input_ids": sequence.tolist(), "loss_mask": [0] * 9 + [1] * (len(sequence) - 9)}
+    batch = collator.collate_with_anchors([record], anchors, torch.ones_like(anchors, dtype=torch.bool))
+    with torch.no_grad():
+        features, _ = target_forward(target, batch, draft.config.target_layer_ids, want_logits=False)
+        hidden = draft_training_forward(
+            draft, target.get_input_embeddings(), features, batch, batch["draft_attention_mask"]
+        )
+    lm_head = target.get_output_embeddings()
+    for j, (_, inference_hidden) in enumerate(drafted):
+        training_hidden = hidden[:, j * B : (j + 1) * B]
+        # Same computation, different GEMM shapes (one pass over all blocks vs cached rounds): fp32 rounding only.
+        torch.testing.assert_close(training_hidden, inference_hidden, rtol=0, atol=1e-5)
+        assert torch.equal(lm_head(training_hidden).argmax(-1), lm_head(inference_hidden).argmax(-1))
+
+
+def test_a_shifted_label_or_leaky_anchor_would_be_caught():
+    """Negative controls: the checks above fail for the two classic bugs."""
+    ids, loss_mask = list(range(20, 30)), [1] * 10
+    batch = _collator().collate_with_anchors(
+        [{"input_ids": ids, "loss_mask": loss_mask}], torch.tensor([[3, 5]]), torch.tensor([[True, True]])
+    )
+    shifted = batch["labels"][0, 1:B].tolist()
+    assert shifted == ids[4:7] and shifted != ids[5:8]  # a next-token shift would give ids[5:8]
+    leaky = batch["draft_attention_mask"][0, 0, 0, :10].clone()
+    leaky[3] = True  # `<=` at the anchor
+    assert leaky.tolist() != [t < 3 for t in range(10)]
+
+
+# -- loss ------------------------------------------------------------------------------------------------------------
+
+
+def test_chunked_loss_matches_unchunked_values_and_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 3 * B, 16, requires_grad=True)
+    lm_head = torch.nn.Linear(16, 50, bias=False)
+    labels = torch.randint(0, 50, (2, 3 * B))
+    weights = torch.rand(2, 3 * B) * (torch.rand(2, 3 * B) > 0.3)
+    weights[:, ::B] = 0
+    chunked = block_loss(hidden, lm_head, labels, weights, B, chunk_size=5)
+    (grad_chunked,) = torch.autograd.grad(chunked.weighted_sum, hidden)
+    logits = lm_head(hidden)
+    reference = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none") * weights).sum()
+    (grad_reference,) = torch.autograd.grad(reference, hidden)
+    torch.testing.assert_close(chunked.weighted_sum, reference)
+    torch.testing.assert_close(grad_chunked, grad_reference)
+    assert chunked.supervised.sum() == (weights > 0).sum() and chunked.supervised[0] == 0
+
+
+def test_batch_without_anchors_gives_zero_loss_touching_every_parameter(tmp_path):
+    target = make_target("llama")
+    draft = make_draft(target, block_size=8, num_hidden_layers=1).train()
+    trainer = DFlashTrainer(model=draft, target=target, args=_args(tmp_path, num_anchors=2))
+    batch = trainer.data_collator([{"input_ids": [1, 2, 3], "loss_mask": [0, 0, 1]}])  # no anchor candidate
+    assert not batch["anchor_valid"].any()
+    loss = trainer.compute_loss(draft, batch)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is not None for p in draft.parameters() if p.requires_grad)
+
+
+def test_loss_is_normalised_over_the_optimizer_step(tmp_path):
+    """Two micro-batches of one sequence step exactly like one batch of two (loss weights, not means, add up)."""
+    target = make_target("llama")
+    records, _ = _regenerated(target, num_sequences=2)
+    records[1] = {key: value[:30] for key, value in records[1].items()}  # different number of supervised slots
+    dataset = Dataset.from_list(records)
+    trained = []
+    for batch_size, accumulation in [(2, 1), (1, 2)]:
+        draft = make_draft(target, block_size=8, num_hidden_layers=1).train()
+        args = _args(
+            tmp_path,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            max_steps=1,
+            optim="sgd",
+            learning_rate=1.0,
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+        )
+        trainer = DFlashTrainer(model=draft, target=target, args=args, train_dataset=dataset)
+        trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(dataset)
+        trainer.train()
+        trained.append(draft.fc.weight.detach().clone())
+    initial = make_draft(target, block_size=8, num_hidden_layers=1).fc.weight
+    assert not torch.equal(trained[0], initial)
+    torch.testing.assert_close(trained[0], trained[1], rtol=1e-4, atol=1e-6)
+
+
+# -- end to end --------------------------------------------------------------------------------------------------------
+
+
+def test_overfitting_a_few_sequences_raises_the_real_acceptance_length(tmp_path):
+    target = make_target("llama")
+    records, prompts = _regenerated(target)
+    draft = make_draft(target, block_size=8, num_hidden_layers=2).train()
+    args = _args(tmp_path, max_steps=200, learning_rate=1e-2, logging_steps=100)
+    trainer = DFlashTrainer(
+        model=draft, target=target, args=args, train_dataset=Dataset.from_list(records), acceptance_prompts=prompts
+    )
+    before = trainer.measure_real_acceptance(max_new_tokens=40)["real_tau"]
+    trainer.train()
+    after = trainer.measure_real_acceptance(max_new_tokens=40)["real_tau"]
+    assert before < 2 and after > 4, (before, after)
+    logged = [entry for entry in trainer.state.log_history if "sim_tau" in entry]
+    assert logged and logged[-1]["sim_tau"] > logged[0]["sim_tau"]
+
+
+def test_checkpoints_hold_the_draft_only_and_reload_identically(tmp_path):
+    target = make_target("qwen3")
+    records, prompts = _regenerated(target, num_sequences=2, new_tokens=16)
+    draft = make_draft(target, block_size=8, num_hidden_layers=1).train()
+    args = _args(
+        tmp_path, max_steps=3, save_strategy="steps", save_steps=3, save_zlab_layout=True, real_acceptance_steps=3
+    )
+    trainer = DFlashTrainer(
+        model=draft,
+        target=target,
+        args=args,
+        train_dataset=Dataset.from_list(records),
+        acceptance_prompts=prompts,
+        training_info={"base_model": "org/tiny-qwen3", "training": {"data": "regenerated"}},
+    )
+    trainer.train()
+    assert any("real_tau" in entry for entry in trainer.state.log_history)
+    checkpoint = tmp_path / "out" / "checkpoint-3"
+    from safetensors.torch import load_file
+
+    saved = load_file(checkpoint / "model.safetensors")
+    assert set(saved) == set(draft.state_dict())  # no embedding, no LM head, no target
+    assert not any("embed" in name or "lm_head" in name for name in saved)
+    for folder in (checkpoint, checkpoint / "zlab"):
+        reloaded = DFlashForDrafting.from_pretrained(folder)
+        assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in draft.state_dict().items())
+    info = json.loads((checkpoint / "training_info.json").read_text())
+    assert info["training"]["block_size"] == 8 and info["training"]["steps"] == 3
+    assert info["base_model"] == "org/tiny-qwen3"
+
+
+def test_push_to_hub_uploads_the_drafter_with_its_model_card(tmp_path, monkeypatch):
+    """No Hub endpoint is reachable from CI: `hf_api()` is replaced by a local stand-in that records the upload."""
+    import transformers.trainer
+
+    uploads = []
+
+    class LocalHub:
+        def create_repo(self, repo_id, **kwargs):
+            return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            uploads.append((repo_id, {path.name: path.read_bytes() for path in sorted(Path(folder_path).iterdir())}))
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: LocalHub())
+    target = make_target("llama")
+    records, _ = _regenerated(target, num_sequences=2, new_tokens=16)
+    draft = make_draft(target, block_size=8, num_hidden_layers=1).train()
+    args = _args(tmp_path, max_steps=1, hub_model_id="org/tiny-llama-dflash", push_to_hub=False)
+    trainer = DFlashTrainer(
+        model=draft,
+        target=target,
+        args=args,
+        train_dataset=Dataset.from_list(records),
+        training_info={"base_model": "org/tiny-llama", "acceptance": {"held-out": {"tau": 2.5}}},
+    )
+    trainer.train()
+    trainer.push_to_hub()
+    (repo_id, files), *_ = uploads
+    assert repo_id == "org/tiny-llama-dflash"
+    card = files["README.md"].decode()
+    assert "base_model: org/tiny-llama" in card and "dflash" in card and "assistant_model=" in card and "2.5" in card
+    assert "model.safetensors" in files and "config.json" in files and "modeling_dflash.py" in files
+
+
+# -- arguments -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"block_size": 1}, "block_size"),
+        ({"num_anchors": 0}, "num_anchors"),
+        ({"attention_backend": "flash"}, "attention_backend"),
+        ({"distill_weight": 1.5}, "distill_weight"),
+        ({"loss_decay_gamma": -1.0}, "loss_decay_gamma"),
+        ({"remove_unused_columns": True}, "remove_unused_columns"),
+    ],
+)
+def test_bad_training_arguments_are_named(tmp_path, bad, message):
+    with pytest.raises(ValueError, match=message):
+        _args(tmp_path, **bad)
+
+
+def test_default_gamma_follows_the_paper():
+    assert [default_loss_decay_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert DFlashTrainingArguments(output_dir="x", block_size=16, report_to="none").loss_decay_gamma == 7.0
+
+
+def test_distillation_loss_trains(tmp_path):
+    target = make_target("llama")
+    records, _ = _regenerated(target, num_sequences=2, new_tokens=16)
+    draft = make_draft(target, block_size=8, num_hidden_layers=1).train()
+    trainer = DFlashTrainer(model=draft, target=target, args=_args(tmp_path, distill_weight=0.5, max_steps=1))
+    batch = trainer.data_collator(records)
+    loss = trainer.compute_loss(draft, batch)
+    plain = DFlashTrainer(model=draft, target=target, args=_args(tmp_path, max_steps=1)).compute_loss(draft, batch)
+    assert torch.isfinite(loss) and loss.item() != pytest.approx(plain.item())
+
+
+def test_train_command_trains_saves_and_cards_a_drafter(tmp_path):
+    from hf_dflash.cli import main
+
+    target = make_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    records, _ = _regenerated(target, num_sequences=6, new_tokens=16)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r | {"id": f"t/{i}", "prompt_len": 6}) + "\n" for i, r in enumerate(records)))
+    out = tmp_path / "drafter"
+    argv = ["train", "--data", str(data), "--target", str(tmp_path / "target"), "--output_dir", str(out)]
+    argv += ["--max_steps", "2", "--block_size", "4", "--mask_token_id", str(PAD), "--acceptance_holdout", "2"]
+    argv += ["--report_to", "none", "--use_cpu", "true", "--save_strategy", "no", "--disable_tqdm", "true"]
+    assert main(argv) == 0
+    draft = DFlashForDrafting.from_pretrained(out)
+    assert draft.config.block_size == 4 and draft.config.mask_token_id == PAD
+    info = json.loads((out / "training_info.json").read_text())
+    assert info["training"]["num_sequences"] == 4 and info["training"]["steps"] == 2
+    assert "held-out" in info["acceptance"]
+    card = (out / "README.md").read_text()
+    assert "speculative-decoding" in card and "--speculative-num-draft-tokens 4" in card
