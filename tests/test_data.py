@@ -1,0 +1,270 @@
+"""Tests for ``hf_dflash.data``: regenerated records, resume, evaluation items kept out, validation.
+
+Everything runs on a tiny in-process Llama (``helpers.make_target``) and a word-level tokenizer with a
+ChatML-like template built here, so no real model or download is needed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+from helpers import PAD, VOCAB, greedy_reference, make_target
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedTokenizerFast
+
+from hf_dflash import data
+from hf_dflash.prompts import Prompt, apply_chat_template, prompt_set_path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+SPECIALS = ["[UNK]", "<|im_start|>", "<|im_end|>"]
+WORDS = [f"w{i}" for i in range(VOCAB - len(SPECIALS) - 4)]
+END_OF_TURN = 2
+
+
+@pytest.fixture
+def tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over the tiny targets' 96 ids: specials, roles, w0..w88, and PAD as the pad token."""
+    vocab = SPECIALS + ["system", "user", "assistant"] + WORDS + ["<pad>"]
+    assert len(vocab) == VOCAB and vocab.index("<pad>") == PAD
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.add_special_tokens(SPECIALS + ["<pad>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", eos_token="<|im_end|>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+@pytest.fixture
+def target():
+    return make_target("llama")
+
+
+def user_prompt(prompt_id: str, text: str, source: str = "test") -> Prompt:
+    return Prompt(id=prompt_id, dataset=source, messages=[{"role": "user", "content": text}])
+
+
+def make_prompts(n: int) -> list[Prompt]:
+    """Prompts of different lengths (so batches are padded)."""
+    return [user_prompt(f"test/{i}", " ".join(WORDS[i * 7 + j] for j in range(2 + 3 * i))) for i in range(n)]
+
+
+def read_records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def count_generated_rows(monkeypatch, target) -> list[torch.Tensor]:
+    """Record the input ids of every ``target.generate`` call."""
+    calls, generate = [], target.generate
+    monkeypatch.setattr(target, "generate", lambda **kwargs: calls.append(kwargs["input_ids"]) or generate(**kwargs))
+    return calls
+
+
+def test_records_mask_the_prompt_and_hold_the_targets_own_greedy_response(target, tokenizer, tmp_path):
+    prompts = make_prompts(4)
+    max_new = 12
+    # Make a token the first prompt generates mid-response an end-of-turn token, so one row stops early.
+    first_ids = data.encode_prompt(tokenizer, prompts[0])
+    continuation = greedy_reference(target, torch.tensor(first_ids), max_new)[len(first_ids) :].tolist()
+    stop = next(t for i, t in enumerate(continuation) if i >= 2 and t not in continuation[:i])
+    target.generation_config.eos_token_id = stop
+    assert data.end_of_turn_ids(target, tokenizer) == sorted({END_OF_TURN, stop})
+
+    path = data.regenerate_responses(
+        target, tokenizer, prompts, tmp_path / "out.jsonl", max_new_tokens=max_new, batch_size=4, progress=False
+    )
+    records = {record["id"]: record for record in read_records(path)}
+    assert sorted(records) == sorted(p.id for p in prompts)
+    lengths = set()
+    for prompt in prompts:
+        record = records[prompt.id]
+        prompt_ids = tokenizer(apply_chat_template(tokenizer, prompt), add_special_tokens=False).input_ids
+        assert prompt_ids[-2:] == tokenizer.convert_tokens_to_ids(["<|im_start|>", "assistant"])
+        n = record["prompt_len"]
+        assert n == len(prompt_ids) and record["input_ids"][:n] == prompt_ids
+        reference = greedy_reference(
+            target, torch.tensor(prompt_ids), max_new, eos_token_id=[END_OF_TURN, stop], pad_token_id=PAD
+        )[n:].tolist()
+        if stop in reference:
+            reference = reference[: reference.index(stop) + 1]
+        assert record["input_ids"][n:] == reference
+        assert record["loss_mask"] == [0] * n + [1] * len(reference)
+        assert PAD not in record["input_ids"]
+        assert record["source"] == "test"
+        lengths.add(len(reference))
+    assert len(lengths) > 1 and min(lengths) < max_new  # a row ended early with its stop token kept
+    assert records[prompts[0].id]["input_ids"][-1] == stop
+
+
+def test_resume_skips_done_ids_and_drops_a_torn_last_line(target, tokenizer, tmp_path, monkeypatch):
+    prompts = make_prompts(4)
+    path = tmp_path / "out.jsonl"
+    kwargs = {"max_new_tokens": 6, "batch_size": 2, "progress": False}
+    data.regenerate_responses(target, tokenizer, prompts[:3], path, **kwargs)
+    first = read_records(path)
+    assert len(first) == 3
+    text = path.read_text()
+    torn = text[: len(text) - len(text.splitlines()[-1]) // 2 - 1]  # crash halfway through the last line
+    path.write_text(torn)
+    assert data.completed_ids(path) == {first[0]["id"], first[1]["id"]}
+    assert path.read_text().endswith("\n")  # the torn line was cut off the file
+
+    calls = count_generated_rows(monkeypatch, target)
+    data.regenerate_responses(target, tokenizer, prompts, path, **kwargs)
+    assert sum(len(ids) for ids in calls) == 2  # the torn record and the new prompt, nothing else
+    records = read_records(path)
+    assert sorted(r["id"] for r in records) == sorted(p.id for p in prompts)
+    assert next(r for r in records if r["id"] == first[2]["id"]) == first[2]  # regenerated identically
+    data.regenerate_responses(target, tokenizer, prompts, path, **kwargs)
+    assert sum(len(ids) for ids in calls) == 2 and len(read_records(path)) == 4
+    assert len(data.load_training_dataset(path)) == 4
+
+
+def test_prompts_longer_than_the_limit_are_skipped(target, tokenizer, tmp_path):
+    prompts = make_prompts(3)
+    lengths = [len(data.encode_prompt(tokenizer, p)) for p in prompts]
+    path = data.regenerate_responses(
+        target,
+        tokenizer,
+        prompts,
+        tmp_path / "o.jsonl",
+        max_new_tokens=2,
+        max_prompt_tokens=lengths[1],
+        progress=False,
+    )
+    assert [r["id"] for r in read_records(path)] == [p.id for p in prompts[:2]][::-1]  # longest first
+
+
+@pytest.mark.parametrize("source", data.EVALUATION_SETS)
+def test_evaluation_sets_are_refused_as_training_sources(source):
+    with pytest.raises(ValueError, match=rf"'{source}' is an evaluation set.*Use 'sharegpt'"):
+        data.training_prompts(["math500", source], 2, evaluation=[])
+
+
+def test_unknown_source_and_synthetic_without_target_are_refused():
+    with pytest.raises(ValueError, match="Unknown training source 'nope'"):
+        data.training_prompts(["nope"], 2, evaluation=[])
+    with pytest.raises(ValueError, match="needs the target"):
+        data.training_prompts(["synthetic"], 2, evaluation=[])
+
+
+def test_evaluation_items_are_filtered_out_of_training_prompts(tmp_path):
+    long_item = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+    evaluation = [user_prompt("gsm8k/0", long_item, "gsm8k"), user_prompt("mt-bench/81", "Say hi.", "mt-bench")]
+    lines = [
+        {"prompt": long_item.upper().replace(" ", "  \n ")},  # equal once normalised
+        {"prompt": f"Please solve this:\n{long_item} Show your work."},  # contains a long item
+        {"messages": [{"role": "user", "content": "say   HI."}]},  # equals a short item
+        {"prompt": "Say hi. Then tell me a story."},  # contains a short item: kept, short items match exactly
+        {"prompt": "Write a haiku about the sea."},
+        {"prompt": "write a haiku about the SEA."},  # the same text again
+    ]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    kept = data.training_prompts([str(path)], None, evaluation=evaluation)
+    assert [p.id for p in kept] == ["mine/3", "mine/4"]
+    assert kept[0].dataset == "mine" and kept[1].messages == [{"role": "user", "content": lines[4]["prompt"]}]
+
+
+def test_installed_evaluation_sets_are_filtered_by_default(tmp_path):
+    try:
+        prompt_set_path("gsm8k")
+    except (ModuleNotFoundError, FileNotFoundError) as error:
+        pytest.skip(str(error))
+    question = data.load_prompts("gsm8k", 5)[4].messages[0]["content"]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": f"Q: {question}"}) + "\n" + json.dumps({"prompt": "Hello there."}) + "\n")
+    assert [p.id for p in data.training_prompts([str(path)])] == ["p/1"]
+
+
+def test_prompts_from_dataset_and_jsonl_cut_chats_after_the_last_user_turn(tmp_path):
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Not the target's words"},
+    ]
+    sharegpt = [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi!"}]
+    table = datasets.Dataset.from_dict({"messages": [chat, [chat[2]], sharegpt], "key": ["a", "b", "c"]})
+    prompts = data.prompts_from_dataset(table, source="mine", id_column="key")
+    assert [p.id for p in prompts] == ["mine/a", "mine/c"]
+    assert prompts[0].messages == chat[:2] and prompts[1].messages == [{"role": "user", "content": "Hello"}]
+    strings = data.prompts_from_dataset(datasets.Dataset.from_dict({"prompt": ["x", "y"]}), column="prompt")
+    assert [(p.id, p.messages[0]["content"]) for p in strings] == [("dataset/0", "x"), ("dataset/1", "y")]
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: a prompt line needs"):
+        data.prompts_from_jsonl(path)
+
+
+def test_synthesized_prompts_start_from_the_user_header_only(target, tokenizer, monkeypatch):
+    assert data.user_header(tokenizer) == "<|im_start|> user "
+    calls = count_generated_rows(monkeypatch, target)
+    rng = torch.get_rng_state()
+    prompts = data.synthesize_prompts(target, tokenizer, 2, seed=0, batch_size=4, max_new_tokens=48)
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's RNG is untouched
+    assert calls and all(ids.tolist() == [[1, 4]] * len(ids) for ids in calls)  # exactly the user header
+    assert [p.id for p in prompts] == [f"synthetic/{i}" for i in range(len(prompts))] and len(prompts) == 2
+    for prompt in prompts:
+        content = prompt.messages[0]["content"]
+        assert prompt.dataset == "synthetic" and content == content.strip() and len(content) >= 10
+        assert "<|im_end|>" not in content and "<pad>" not in content
+    assert data.synthesize_prompts(target, tokenizer, 2, seed=0, batch_size=4, max_new_tokens=48) == prompts
+    assert data.synthesize_prompts(target, tokenizer, 2, seed=1, batch_size=4, max_new_tokens=48) != prompts
+
+
+def test_synthetic_prompts_are_cached_for_resume(target, tokenizer, tmp_path, monkeypatch):
+    cache = tmp_path / "synthetic.jsonl"
+    first = data.training_prompts(
+        ["synthetic"], 2, target=target, tokenizer=tokenizer, synthetic_cache=cache, evaluation=[]
+    )
+    assert cache.exists() and len(first) == 2
+    monkeypatch.setattr(target, "generate", lambda **kwargs: pytest.fail("synthesized again"))
+    again = data.training_prompts(
+        ["synthetic"], 2, target=target, tokenizer=tokenizer, synthetic_cache=cache, evaluation=[]
+    )
+    assert again == first
+
+
+BAD_RECORDS = {
+    "length": ({"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1]}, "input_ids has 3 tokens but loss_mask has 2"),
+    "unsupervised": ({"id": "a", "input_ids": [1, 2], "loss_mask": [0, 0]}, "no supervised token"),
+    "mask values": ({"id": "a", "input_ids": [1, 2], "loss_mask": [0, 2]}, "other than 0 and 1"),
+    "missing": ({"id": "a", "input_ids": [1, 2]}, "has no 'loss_mask'"),
+    "torn": ('{"id": "a", "input_ids": [1,', "not valid JSON.*rerun"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RECORDS))
+def test_load_training_dataset_names_file_and_line_of_a_bad_record(tmp_path, case):
+    good = {"id": "ok", "source": "s", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}
+    bad, message = BAD_RECORDS[case]
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(good) + "\n" + (bad if isinstance(bad, str) else json.dumps(bad)) + "\n")
+    with pytest.raises(ValueError, match=rf"train.jsonl:2: .*{message}"):
+        data.load_training_dataset(path)
+
+
+def test_load_training_dataset_reads_valid_records(tmp_path):
+    records = [
+        {"id": "s/1", "source": "s", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+        {"id": "s/2", "input_ids": [8, 9], "loss_mask": [0, 1], "prompt_len": 1},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + "\n")
+    table = data.load_training_dataset(path)
+    assert table.column_names == ["id", "source", "input_ids", "loss_mask"]
+    assert table["input_ids"] == [[5, 6, 7], [8, 9]] and table["loss_mask"] == [[0, 1, 1], [0, 1]]
+    assert table["source"] == ["s", ""]
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no records"):
+        data.load_training_dataset(tmp_path / "empty.jsonl")
