@@ -5,7 +5,10 @@
 
 Two drafters: a fresh untrained one (tau = 1: pure overhead of each path) and, to see the paths at a realistic
 acceptance, the same drafter steered to the target's own greedy continuation with 20% of its tokens replaced
-(an *oracle*, test-only: it knows the answer, so its tau is not a result about DFlash).
+(an *oracle*, test-only: it knows the answer, so its tau is not a result about DFlash). The oracle picks its wrong
+tokens from a seeded generator, reseeded before each timed run, so both speculative paths see the same drafts and do
+the same number of target forwards (`target_forwards`); otherwise each path would get its own slice of the random
+stream and the comparison would measure luck (tau about 4.7 vs 3.5 in the first recorded run), not the paths.
 """
 
 import argparse
@@ -34,12 +37,24 @@ def timed(run, *args, **kwargs):
     return out, time.perf_counter() - start
 
 
+class ForwardCounter:
+    """Counts a model's forward calls (prefill included)."""
+
+    def __init__(self, model):
+        self.count = 0
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--output", help="also write the JSON document to this file")
     args = parser.parse_args()
     target, tokenizer = load_target("smollm2-135m-instruct")
     prompts = [apply_chat_template(tokenizer, p) for p in load_prompts("gsm8k", limit=args.prompts)]
@@ -48,23 +63,33 @@ def main() -> None:
     torch.manual_seed(0)
     oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=args.block_size, tokenizer=tokenizer)
     budget = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    target_forwards = ForwardCounter(target)
     results = {}
     for draft_name, draft in (("fresh", fresh.eval()), ("oracle-20%-wrong", oracle.eval())):
         rates = {"target.generate": [], "generate(assistant_model)": [], "speculative_generate": []}
+        forwards = {"generate(assistant_model)": 0, "speculative_generate": 0}
         taus = []
-        for text in prompts:
+        for prompt_index, text in enumerate(prompts):
             inputs = tokenizer(text, return_tensors="pt")
             with torch.no_grad():
                 reference = target.generate(**inputs, **budget)
                 if draft is oracle:
                     oracle.steer(target, [reference[0]], p_wrong=0.2)
                 target.generate(**inputs, assistant_model=draft, max_new_tokens=4)  # warm-up
-                for _ in range(args.repeats):  # alternate methods so drift hits all alike
+                speculative_generate(target, draft, inputs.input_ids, inputs.attention_mask, max_new_tokens=4)
+                for repeat in range(args.repeats):  # alternate methods so drift hits all alike
+                    seed = 1000 * prompt_index + repeat  # the same oracle drafts for both speculative paths
                     plain, t_plain = timed(target.generate, **inputs, **budget)
+                    reseed(draft, seed)
+                    start_count = target_forwards.count
                     assisted, t_assisted = timed(target.generate, **inputs, assistant_model=draft, **budget)
+                    forwards["generate(assistant_model)"] += target_forwards.count - start_count
+                    reseed(draft, seed)
+                    start_count = target_forwards.count
                     ours, t_ours = timed(
                         speculative_generate, target, draft, inputs.input_ids, inputs.attention_mask, **budget
                     )
+                    forwards["speculative_generate"] += target_forwards.count - start_count
                     assert assisted.tolist() == plain.tolist() == ours.sequences.tolist() == reference.tolist()
                     new = plain.shape[1] - inputs.input_ids.shape[1]
                     rates["target.generate"].append(new / t_plain)
@@ -74,6 +99,7 @@ def main() -> None:
         results[draft_name] = {name: statistics.median(r) for name, r in rates.items()} | {
             "tau": statistics.mean(taus)
         }
+        results[draft_name] |= {f"target_forwards {name}": count for name, count in forwards.items()}
         results[draft_name]["speculative_generate / generate(assistant_model)"] = statistics.median(
             o / a for o, a in zip(rates["speculative_generate"], rates["generate(assistant_model)"])
         )
@@ -90,8 +116,21 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
     }
     for draft_name, row in results.items():
-        print(f"{draft_name:18s} " + "  ".join(f"{k}: {v:.2f}" for k, v in row.items()))
-    print(json.dumps({"conditions": conditions, "results": results}))
+        print(
+            f"{draft_name:18s} "
+            + "  ".join(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items())
+        )
+    document = json.dumps({"conditions": conditions, "results": results})
+    if args.output:
+        with open(args.output, "w") as file:
+            file.write(document + "\n")
+    print(document)
+
+
+def reseed(draft, seed: int) -> None:
+    """Restart the oracle's wrong-token generator (the fresh drafter draws nothing)."""
+    if isinstance(draft, OracleDraft):
+        draft.generator.manual_seed(seed)
 
 
 if __name__ == "__main__":

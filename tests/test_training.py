@@ -133,6 +133,17 @@ def test_anchors_are_supervised_sorted_and_redrawn_each_epoch():
     assert len(draws) > 1
 
 
+def test_reduced_draft_vocabulary_labels_are_draft_indices():
+    ids, loss_mask = [10, 11, 12, 13, 14, 15], [1] * 6
+    collator = _collator(num_anchors=1, draft_vocabulary=torch.tensor([3, 11, 13, 14]))
+    batch = collator.collate_with_anchors(
+        [{"input_ids": ids, "loss_mask": loss_mask}], torch.tensor([[1]]), torch.tensor([[True]])
+    )
+    # block at 1 predicts 12, 13, 14: 12 is outside the draft vocabulary (no loss), 13 -> index 2, 14 -> index 3
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 2, 3]]
+    assert batch["loss_weights"][0, 1] == 0 and batch["loss_weights"][0, 2] > 0
+
+
 def test_fewer_candidates_than_anchors_gives_padded_blocks():
     batch = _collator(num_anchors=5)([{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}])
     assert batch["anchor_valid"].tolist() == [[True, True, False, False, False]]

@@ -97,6 +97,8 @@ class DataCollatorForDFlash:
     """Pads sequences and samples DFlash training blocks.
 
     Features: dicts with `input_ids` and `loss_mask` (1 on response tokens), as written by `hf_dflash.data`.
+    With `draft_vocabulary` (the target ids of a reduced draft vocabulary, `DFlashForDrafting.draft_token_ids`),
+    labels are indices into it and tokens outside it carry no loss (the draft cannot propose them).
     Anchors are drawn without replacement among positions whose token and next token are supervised, re-drawn
     every epoch (`set_epoch`) from `seed`, the epoch and the sequence's content (so any worker order gives the same
     anchors), and sorted. Sequences with fewer candidates than `num_anchors` get padded (invalid) blocks.
@@ -115,6 +117,7 @@ class DataCollatorForDFlash:
     max_length: int | None = None
     seed: int = 0
     dense_mask: bool = True
+    draft_vocabulary: torch.Tensor | None = None
     epoch: int = 0
 
     def __post_init__(self) -> None:
@@ -126,6 +129,11 @@ class DataCollatorForDFlash:
             raise ValueError(f"num_anchors must be at least 1, got {self.num_anchors}.")
         gamma = self.loss_decay_gamma or default_loss_decay_gamma(self.block_size)
         self.slot_weights = slot_loss_weights(self.block_size, gamma)
+        self.target_to_draft = None
+        if self.draft_vocabulary is not None:  # [V'] target id -> draft index, -1 outside the draft vocabulary
+            vocabulary = torch.as_tensor(self.draft_vocabulary, dtype=torch.long).cpu()
+            self.target_to_draft = torch.full((int(vocabulary.max()) + 1,), -1, dtype=torch.long)
+            self.target_to_draft[vocabulary] = torch.arange(vocabulary.shape[0])
 
     def set_epoch(self, epoch: int) -> None:
         """Draw new anchors: call at the start of every epoch (`DFlashTrainer` does)."""
@@ -202,6 +210,12 @@ class DataCollatorForDFlash:
         supervised = loss_mask.gather(1, gathered).bool() & in_range
         supervised &= anchor_valid.repeat_interleave(self.block_size, dim=1)
         supervised &= (slots != 0).repeat(self.num_anchors)[None]  # slot 0 is the anchor itself
+        if self.target_to_draft is not None:
+            in_table = targets < self.target_to_draft.shape[0]
+            targets = torch.where(
+                in_table, self.target_to_draft[targets.clamp(max=self.target_to_draft.shape[0] - 1)], -1
+            )
+            supervised &= targets >= 0
         noise_ids = torch.full_like(block_positions, self.mask_token_id)
         noise_ids[:, :: self.block_size] = input_ids.gather(1, anchor_positions)
         context_positions = torch.arange(seq_len).expand(batch, -1)

@@ -56,6 +56,10 @@ class DFlashConfig(PreTrainedConfig):
         mask_token_id (`int`): token id filling the draft slots.
         target_layer_ids (`list[int]`): target decoder layers whose outputs are the draft's context.
         num_target_layers (`int`): decoder layers of the target.
+        draft_vocab_size (`int`, *optional*): draft over this many target tokens only (the rows of the target's LM
+            head listed by the draft's `d2t` buffer, vLLM/EAGLE-3 convention: `target_id = draft_id + d2t[draft_id]`);
+            `None` drafts over the whole vocabulary. Verification still uses the target's full distribution, so the
+            output is unchanged; only the draft's LM-head cost shrinks.
 
     Checkpoints in the published z-lab layout (`model_type: "qwen3"` with a nested `dflash_config`) load into this
     class too: the nested fields are lifted to the top level.
@@ -90,6 +94,7 @@ class DFlashConfig(PreTrainedConfig):
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
     num_target_layers: int | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         dflash_config = kwargs.pop("dflash_config", None) or {}
@@ -131,6 +136,12 @@ class DFlashConfig(PreTrainedConfig):
             raise ValueError("layer_types has sliding_attention layers: set `sliding_window` to the window length.")
         if self.target_layer_ids is not None and len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ValueError(f"target_layer_ids must be distinct, got {self.target_layer_ids}.")
+        if self.draft_vocab_size is not None and not (
+            1 <= self.draft_vocab_size <= (self.vocab_size or self.draft_vocab_size)
+        ):
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must be between 1 and the vocabulary size {self.vocab_size}."
+            )
         if (
             self.mask_token_id is not None
             and self.vocab_size is not None

@@ -266,6 +266,9 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
+        if config.draft_vocab_size is not None:  # offsets to target ids (vLLM/EAGLE-3 `d2t`); identity until set
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self._draft_head_cache: tuple | None = None
         self.gradient_checkpointing = False
         self.post_init()
         enable_dflash_generate()
@@ -273,6 +276,59 @@ class DFlashForDrafting(DFlashPreTrainedModel):
     def project_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
         """`[b, n_ctx, n * H]` target features -> `[b, n_ctx, H]` context injected into every layer."""
         return self.hidden_norm(self.fc(context_hidden_states))
+
+    @property
+    def draft_token_ids(self) -> torch.LongTensor | None:
+        """`[draft_vocab_size]` target ids the draft proposes from, or `None` for the whole vocabulary."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def set_draft_vocabulary(self, target_ids: torch.LongTensor) -> None:
+        """Draft over these target token ids only (sorted here); their number must be `config.draft_vocab_size`."""
+        target_ids = torch.as_tensor(target_ids, dtype=torch.long).unique()  # sorted, distinct
+        if target_ids.shape[0] != self.config.draft_vocab_size:
+            raise ValueError(
+                f"Got {target_ids.shape[0]} distinct token ids for a draft vocabulary of {self.config.draft_vocab_size}."
+            )
+        if (
+            self.config.vocab_size is not None
+            and not 0 <= int(target_ids.min()) <= int(target_ids.max()) < self.config.vocab_size
+        ):
+            raise ValueError(f"Draft vocabulary ids must lie in [0, {self.config.vocab_size}).")
+        self.d2t.copy_(target_ids.to(self.d2t.device) - torch.arange(target_ids.shape[0], device=self.d2t.device))
+        self._draft_head_cache = None
+
+    def draft_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """The target's LM head on draft hidden states `[..., H]` -> `[..., V_d]` logits over the draft vocabulary
+        (`V_d` = `draft_vocab_size`, or the whole vocabulary). Map an index back with `to_target_ids`."""
+        token_ids = self.draft_token_ids
+        if token_ids is None:
+            return lm_head(hidden_states)
+        weight, bias = self._draft_head(lm_head, token_ids)
+        return nn.functional.linear(hidden_states, weight, bias)
+
+    def to_target_ids(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
+        """Draft-vocabulary indices -> target token ids."""
+        token_ids = self.draft_token_ids
+        return draft_ids if token_ids is None else token_ids[draft_ids]
+
+    def to_full_vocabulary(self, draft_scores: torch.Tensor, vocab_size: int, fill: float) -> torch.Tensor:
+        """`[..., V_d]` scores -> `[..., V]`, `fill` at tokens outside the draft vocabulary."""
+        token_ids = self.draft_token_ids
+        if token_ids is None:
+            return draft_scores
+        full = draft_scores.new_full((*draft_scores.shape[:-1], vocab_size), fill)
+        return full.index_copy_(-1, token_ids, draft_scores)
+
+    def _draft_head(self, lm_head: nn.Module, token_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM-head rows of the draft vocabulary, cached while the (frozen) head and the vocabulary are unchanged."""
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        key = (weight.data_ptr(), weight._version, self.d2t.data_ptr(), self.d2t._version)
+        if self._draft_head_cache is None or self._draft_head_cache[0] != key:
+            rows = weight.detach()[token_ids]
+            self._draft_head_cache = (key, rows, bias.detach()[token_ids] if bias is not None else None)
+        return self._draft_head_cache[1], self._draft_head_cache[2]
 
     def forward(
         self,

@@ -21,6 +21,7 @@ import json
 import math
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,7 @@ class BlockLoss:
 
 def block_loss(
     hidden: torch.Tensor,
-    lm_head: nn.Module,
+    head: Callable[[torch.Tensor], torch.Tensor],
     labels: torch.Tensor,
     loss_weights: torch.Tensor,
     block_size: int,
@@ -173,7 +174,8 @@ def block_loss(
 ) -> BlockLoss:
     """`sum_k w_k * m_k * loss_k` over supervised slots, computed in checkpointed chunks of `chunk_size` slots.
 
-    `loss_k` is cross-entropy against `labels` (the target's tokens), or `(1 - d) * CE + d * KL(p_target || q)` with
+    `head` maps hidden states to logits over the draft vocabulary (`DFlashForDrafting.draft_logits` with the target's
+    LM head), whose indices `labels` use. `loss_k` is cross-entropy against `labels` (the target's tokens), or `(1 - d) * CE + d * KL(p_target || q)` with
     `teacher_logits` (`[b, N*B, V]`, the target's logits for the same token) and `d = distill_weight`.
     """
     weights = loss_weights.flatten()
@@ -190,7 +192,7 @@ def block_loss(
         chunk_sum, hits = checkpoint(
             _chunk_loss,
             flat_hidden[part],
-            lm_head,
+            head,
             flat_labels[part],
             weights[rows][part],
             teacher,
@@ -203,8 +205,8 @@ def block_loss(
     return BlockLoss(weighted_sum, correct, supervised)
 
 
-def _chunk_loss(hidden, lm_head, labels, weights, teacher_logits, distill_weight):
-    logits = lm_head(hidden).float()  # [rows, V]
+def _chunk_loss(hidden, head, labels, weights, teacher_logits, distill_weight):
+    logits = head(hidden).float()  # [rows, V_d]
     loss = F.cross_entropy(logits, labels, reduction="none")
     if teacher_logits is not None and distill_weight > 0:
         teacher = teacher_logits.float().log_softmax(-1)
@@ -214,10 +216,15 @@ def _chunk_loss(hidden, lm_head, labels, weights, teacher_logits, distill_weight
     return (loss * weights).sum(), hits
 
 
-def gather_teacher_logits(target_logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """`[b, N*B, V]`: the target's logits that predict each slot's token (position `a + k - 1`)."""
+def gather_teacher_logits(
+    target_logits: torch.Tensor, batch: dict[str, torch.Tensor], draft_token_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[b, N*B, V_d]`: the target's logits that predict each slot's token (position `a + k - 1`), restricted to the
+    draft vocabulary when there is one."""
     block_positions = batch["position_ids"][:, batch["input_ids"].shape[1] :]
     source = (block_positions - 1).clamp(min=0, max=target_logits.shape[1] - 1)
+    if draft_token_ids is not None:
+        target_logits = target_logits[..., draft_token_ids]
     return target_logits.gather(1, source[..., None].expand(-1, -1, target_logits.shape[-1]))
 
 
@@ -266,6 +273,7 @@ class DFlashTrainer(Trainer):
                 max_length=args.max_length,
                 seed=args.seed,
                 dense_mask=args.attention_backend != "flex_attention",
+                draft_vocabulary=model.draft_token_ids,
             )
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self.model_accepts_loss_kwargs = True  # our loss is already normalised over the optimizer step
@@ -289,17 +297,17 @@ class DFlashTrainer(Trainer):
         num_items_in_batch: torch.Tensor | None = None,
     ):
         """Weighted block loss divided by the optimizer step's total loss weight (`num_items_in_batch`)."""
-        block_size = self.accelerator.unwrap_model(model).config.block_size
+        draft = self.accelerator.unwrap_model(model)
         distill = self.args.distill_weight > 0
         features, target_logits = target_forward(self.target, inputs, self._layer_ids(model), want_logits=distill)
         hidden = draft_training_forward(model, self.embed_tokens, features, inputs, self._draft_mask(inputs))
-        teacher = gather_teacher_logits(target_logits, inputs) if distill else None
+        teacher = gather_teacher_logits(target_logits, inputs, draft.draft_token_ids) if distill else None
         result = block_loss(
             hidden,
-            self.lm_head,
+            lambda states: draft.draft_logits(states, self.lm_head),
             inputs["labels"],
             inputs["loss_weights"],
-            block_size,
+            draft.config.block_size,
             self.args.lm_head_chunk_size,
             teacher,
             self.args.distill_weight,
