@@ -156,9 +156,11 @@ class OracleDraft(DFlashForDrafting):
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=out.cache)
 
 
-def make_oracle(target, references, p_wrong: float, block_size: int = 8, seed: int = 1) -> OracleDraft:
+def make_oracle(target, references, p_wrong: float, block_size: int = 8, seed: int = 1, **overrides) -> OracleDraft:
     torch.manual_seed(seed)
-    draft = OracleDraft.from_target(target, num_hidden_layers=1, block_size=block_size, mask_token_id=PAD)
+    draft = OracleDraft.from_target(
+        target, num_hidden_layers=1, block_size=block_size, mask_token_id=PAD, **overrides
+    )
     return draft.eval().steer(target, references, p_wrong, seed)
 
 

@@ -263,3 +263,28 @@ def test_our_generator_clamps_drafts_to_the_budget(monkeypatch):
     assert out[0].tolist() == reference.tolist()
     max_length = len(prompt) + 10
     assert all(length + drafted + 1 <= max_length for length, drafted in lengths)  # never verify past the budget
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
+@pytest.mark.parametrize("vocabulary", ["covers-the-output", "random-half"])
+def test_reduced_draft_vocabulary_stays_lossless(family, vocabulary):
+    """A draft over a subset of the vocabulary (vLLM's `d2t` convention): drafts come from the subset only, the
+    target verifies over the whole vocabulary."""
+    target = make_target(family)
+    prompt = random_prompt(15, seed=4)
+    reference = greedy_reference(target, prompt, 50)
+    emitted = reference[len(prompt) :].unique()
+    if vocabulary == "covers-the-output":
+        subset = torch.cat([emitted, torch.arange(PAD)[~torch.isin(torch.arange(PAD), emitted)][: 48 - len(emitted)]])
+    else:
+        subset = torch.randperm(PAD, generator=torch.Generator().manual_seed(0))[:48]
+    draft = make_oracle(target, [reference], p_wrong=0.1, draft_vocab_size=48)
+    draft.set_draft_vocabulary(subset)
+
+    via_generate = target.generate(prompt[None], max_new_tokens=50, do_sample=False, assistant_model=draft)
+    ours = speculative_generate(target, draft, prompt[None], max_new_tokens=50)
+
+    assert via_generate[0].tolist() == reference.tolist()
+    assert ours.sequences[0].tolist() == reference.tolist()
+    if vocabulary == "covers-the-output":
+        assert ours.stats.tau > 3  # the oracle's tokens are all in the subset: long runs accepted

@@ -124,6 +124,31 @@ def test_generate_with_assistant_samples_the_target_distribution():
     assert chi_square_pvalue(samples, exact) > 1e-3
 
 
+def test_reduced_draft_vocabulary_samples_the_target_distribution():
+    """q is zero outside the draft vocabulary; tokens there still come from the residual with the target's odds."""
+    target = peaky_target("qwen3")
+    torch.manual_seed(7)
+    draft = DFlashForDrafting.from_target(
+        target, num_hidden_layers=1, block_size=4, mask_token_id=VOCAB - 1, draft_vocab_size=3
+    ).eval()
+    draft.set_draft_vocabulary(torch.tensor([0, 2, 3]))
+    with torch.no_grad():
+        draft.norm.weight.mul_(0.05)
+    generation_kwargs = SETTINGS[0]
+    exact = exact_joint(target, generation_kwargs)
+    torch.manual_seed(2)
+    out = speculative_generate(target, draft, PROMPT.expand(6000, -1), max_new_tokens=4, **generation_kwargs)
+    samples = [tuple(row) for row in out.sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()]
+    assert out.stats.histogram[3] > 0
+    assert chi_square_pvalue(samples, exact) > 1e-3
+    torch.manual_seed(3)
+    samples = []
+    for _ in range(1000):
+        generated = target.generate(PROMPT, max_new_tokens=4, assistant_model=draft, **generation_kwargs)
+        samples.append(tuple(generated[0, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()))
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+
 def test_the_chi_square_test_rejects_a_biased_sampler(monkeypatch):
     """Negative control: accepting every draft (u = 0 in the acceptance test) samples from `q`, not `p`; the same
     test must reject it, or the tests above would prove nothing."""

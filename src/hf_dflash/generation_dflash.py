@@ -179,6 +179,13 @@ def noise_block(anchor_ids: torch.LongTensor, block_size: int, mask_token_id: in
     return torch.cat([anchor_ids, masks], dim=1)
 
 
+def draft_logits_full_vocabulary(draft: Any, lm_head: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`[b, k, V]` draft logits over the target's whole vocabulary; a draft with a reduced vocabulary (`d2t`) gives
+    `-inf` outside it, so `q` is 0 there and the target's verification stays exact."""
+    logits = draft.draft_logits(hidden_states, lm_head)
+    return draft.to_full_vocabulary(logits, lm_head.weight.shape[0], float("-inf"))
+
+
 def warp_logits(
     logits: torch.Tensor, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList | None
 ) -> torch.Tensor:
@@ -247,7 +254,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         features = context_features(model_outputs.hidden_states, self.target_layer_ids, committed - self.num_context)
         hidden = self._draft_block(input_ids, features, (model_kwargs or {}).get("attention_mask"))
         num_draft = min(self.block_size - 1, budget - 1)
-        logits = self.lm_head(hidden[:, 1 : 1 + num_draft])  # [1, k, V]
+        logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden[:, 1 : 1 + num_draft])  # [1, k, V]
         draft_ids, logits = self._select(input_ids, logits)
         return torch.cat([input_ids, draft_ids], dim=1), logits
 

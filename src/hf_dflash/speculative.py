@@ -30,7 +30,13 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.utils import logging
 
-from .generation_dflash import check_draft_fits_target, context_features, noise_block, warp_logits
+from .generation_dflash import (
+    check_draft_fits_target,
+    context_features,
+    draft_logits_full_vocabulary,
+    noise_block,
+    warp_logits,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -295,9 +301,10 @@ class _SpeculativeLoop:
         )
         self.draft_cache.crop(-self.block_size)  # keep context K/V only
         self.draft_key_mask = torch.cat([self.draft_key_mask, self.context_mask], dim=1)
-        logits = self.lm_head(out.last_hidden_state[:, 1 : 1 + num_draft])  # [b, k, V]
-        if not self.do_sample:
-            return logits.argmax(-1), None
+        hidden = out.last_hidden_state[:, 1 : 1 + num_draft]
+        if not self.do_sample:  # argmax over the draft vocabulary, mapped to target ids
+            return self.draft.to_target_ids(self.draft.draft_logits(hidden, self.lm_head).argmax(-1)), None
+        logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden)  # [b, k, V]
         q = warp_logits(logits, bonus[:, None], self.warpers).softmax(-1)
         return torch.multinomial(q.flatten(0, 1), 1).view(batch, num_draft), q
 
