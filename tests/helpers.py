@@ -158,9 +158,7 @@ class OracleDraft(DFlashForDrafting):
 
 def make_oracle(target, references, p_wrong: float, block_size: int = 8, seed: int = 1, **overrides) -> OracleDraft:
     torch.manual_seed(seed)
-    draft = OracleDraft.from_target(
-        target, num_hidden_layers=1, block_size=block_size, mask_token_id=PAD, **overrides
-    )
+    draft = OracleDraft.from_target(target, num_hidden_layers=1, block_size=block_size, mask_token_id=PAD, **overrides)
     return draft.eval().steer(target, references, p_wrong, seed)
 
 
