@@ -47,3 +47,31 @@ def test_real_target_greedy_is_token_identical(smollm2, real_prompts):
     for row, reference in enumerate(references):
         assert out.sequences[row, width : width + len(reference)].tolist() == reference.tolist()
         assert out.num_new_tokens[row] == len(reference)
+
+
+def test_committed_drafter_is_lossless_and_accepts_more_than_one_token(smollm2, real_prompts):
+    """The drafter committed under drafters/ (what `hf-dflash demo` uses): identical output, tau well above 1."""
+    from hf_dflash.cli import committed_drafter
+
+    folder = committed_drafter("smollm2-135m-instruct")
+    if folder is None:
+        pytest.skip("no committed SmolLM2 drafter in this checkout")
+    target, tokenizer = smollm2
+    draft = DFlashForDrafting.from_pretrained(folder).to(target.dtype).eval()
+    lengths = []
+    for text in real_prompts[:2]:  # GSM8K
+        inputs = tokenizer(text, return_tensors="pt")
+        plain = target.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        assisted = target.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, assistant_model=draft)
+        ours = speculative_generate(target, draft, inputs.input_ids, max_new_tokens=MAX_NEW_TOKENS)
+        assert assisted.tolist() == plain.tolist() == ours.sequences.tolist()
+        lengths += ours.stats.acceptance_lengths
+    assert sum(lengths) / len(lengths) > 1.5
+
+
+def test_demo_command_confirms_identical_output(capsys):
+    from hf_dflash.cli import main
+
+    assert main(["demo", "--max-new-tokens", "24"]) == 0
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert '"identical": true' in last_line

@@ -415,3 +415,21 @@ def test_train_command_trains_saves_and_cards_a_drafter(tmp_path):
     assert "held-out" in info["acceptance"]
     card = (out / "README.md").read_text()
     assert "speculative-decoding" in card and "--speculative-num-draft-tokens 4" in card
+
+
+def test_cached_target_features_give_the_online_loss(tmp_path):
+    target = make_target("qwen3")
+    records, _ = _regenerated(target, num_sequences=3, new_tokens=20)
+    records[2] = {key: value[:18] for key, value in records[2].items()}  # ragged: padding in the batch
+    dataset = Dataset.from_list(records)
+    draft = make_draft(target, block_size=8, num_hidden_layers=1).train()
+    cached = DFlashTrainer(
+        model=draft, target=target, args=_args(tmp_path, cache_target_features=True), train_dataset=dataset
+    )
+    online = DFlashTrainer(model=draft, target=target, args=_args(tmp_path), train_dataset=dataset)
+    features = [dict(cached.train_dataset[i]) for i in range(3)]
+    batch = cached.data_collator(features)
+    assert batch["rows"].tolist() == [0, 1, 2]
+    torch.testing.assert_close(cached.compute_loss(draft, batch), online.compute_loss(draft, batch), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="cache_target_features"):
+        _args(tmp_path, cache_target_features=True, distill_weight=0.5)

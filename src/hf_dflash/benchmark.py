@@ -60,6 +60,7 @@ class BenchmarkConfig:
     limit: int = 10  # prompts per dataset
     methods: tuple[str, ...] = ALL_METHODS  # `plain` is always added: it is the baseline
     full_comparison_limit: int | None = None  # only the first M prompts of a dataset run every method; None: all do
+    core_methods: tuple[str, ...] = CORE_METHODS  # what the prompts beyond `full_comparison_limit` run
     max_new_tokens: int = 200
     repeats: int = 1
     do_sample: bool = False  # sampled outputs differ between paths by design: the identity check needs greedy
@@ -277,7 +278,7 @@ def _methods_for(position: int, config: BenchmarkConfig, methods: Sequence[str])
     """The methods prompt number `position` (within its dataset) runs."""
     if config.full_comparison_limit is None or position < config.full_comparison_limit:
         return list(methods)
-    return [m for m in methods if m in CORE_METHODS]
+    return [m for m in methods if m in config.core_methods or m == BASELINE]
 
 
 def run_benchmark(
@@ -641,7 +642,8 @@ def render_table(report: dict[str, Any]) -> str:
     )
     full = [p["id"] for p in report["prompts"] if p["full_comparison"]]
     if len(full) < len(report["prompts"]):
-        lines.append(f"every method ran on: {', '.join(full)}; the other prompts ran only {', '.join(CORE_METHODS)}")
+        core = report["config"].get("core_methods", CORE_METHODS)
+        lines.append(f"every method ran on: {', '.join(full)}; the other prompts ran only {', '.join(core)}")
     header = f"{'dataset':10s} {'method':14s} {'prompts':>7s} {'tok/s':>8s} {'x (medians)':>11s} {'x (per-prompt)':>14s} {'tok/fwd':>8s}"
     lines += ["", header, "-" * len(header)]
     for dataset, summary in report["datasets"].items():

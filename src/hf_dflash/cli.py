@@ -26,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("train", help="train a drafter (run `hf-dflash train --help` for its options)")
     demo = commands.add_parser("demo", help="generate on a real model with and without a DFlash drafter")
     demo.add_argument("--target", default="smollm2-135m-instruct", help="a packaged real target (hf_dflash.targets)")
-    demo.add_argument("--draft", default=None, help="drafter folder; default: a fresh, untrained drafter")
+    demo.add_argument(
+        "--draft", default=None, help="drafter folder; default: the drafter committed for the target, if any"
+    )
+    demo.add_argument("--untrained", action="store_true", help="use a fresh, untrained drafter instead")
     demo.add_argument(
         "--prompt",
         default="Natalia sold clips to 48 of her friends in April, and then she sold half "
@@ -48,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     bench.add_argument("--methods", nargs="+", default=None, help="subset of plain prompt_lookup native assisted ours")
     bench.add_argument("--full-comparison-limit", type=int, default=None, help="first M prompts of a dataset run all")
+    bench.add_argument(
+        "--core-methods",
+        nargs="+",
+        default=None,
+        help="what prompts past --full-comparison-limit run (default: plain assisted ours)",
+    )
     bench.add_argument("--max-new-tokens", type=int, default=200)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--do-sample", action="store_true", help="sample (outputs are then not compared)")
@@ -88,9 +97,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from hf_dflash.targets import load_target
 
     target, tokenizer = load_target(args.target)
-    if args.draft:
-        draft = DFlashForDrafting.from_pretrained(args.draft).to(target.dtype)
-        print(f"drafter: {args.draft}")
+    draft_path = args.draft or (None if args.untrained else committed_drafter(args.target))
+    if draft_path:
+        draft = DFlashForDrafting.from_pretrained(draft_path).to(target.dtype).eval()
+        print(f"drafter: {draft_path}")
     else:
         torch.manual_seed(0)
         draft = DFlashForDrafting.from_target(
@@ -126,6 +136,14 @@ def run_demo(args: argparse.Namespace) -> int:
     summary |= {name: round(new_tokens / seconds, 2) for name, seconds in rows}
     print(json.dumps(summary))
     return 0 if identical else 1
+
+
+def committed_drafter(target_name: str) -> str | None:
+    """The drafter trained for a packaged target and committed in this repository (`drafters/<target>`), if any."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "drafters" / target_name
+    return str(folder) if (folder / "config.json").is_file() else None
 
 
 def run_card(args: argparse.Namespace) -> int:
@@ -172,6 +190,7 @@ def run_bench(args: argparse.Namespace) -> int:
         limit=args.limit,
         methods=tuple(args.methods or defaults.methods),
         full_comparison_limit=args.full_comparison_limit,
+        core_methods=tuple(args.core_methods or defaults.core_methods),
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         do_sample=args.do_sample,

@@ -157,6 +157,8 @@ class DataCollatorForDFlash:
             "anchor_valid": anchor_valid,
             **self._blocks(input_ids, loss_mask, anchor_positions, anchor_valid),
         }
+        if "row" in features[0]:  # index into a trainer's feature cache
+            batch["rows"] = torch.tensor([feature["row"] for feature in features])
         if self.dense_mask:
             batch["draft_attention_mask"] = dense_block_mask(
                 anchor_positions, anchor_valid, attention_mask, self.block_size

@@ -79,6 +79,13 @@ class DFlashTrainingArguments(TrainingArguments):
             "help": "0: cross-entropy on the target's tokens; 1: KL to the target's distribution; between: mix."
         },
     )
+    cache_target_features: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the target once over the training set and keep its features in memory (fp32, "
+            "4 * n * H bytes per token) instead of one target forward per step; for small targets and data."
+        },
+    )
     lm_head_chunk_size: int = field(default=1024, metadata={"help": "Supervised slots per LM-head + loss chunk."})
     real_acceptance_steps: int = field(
         default=0, metadata={"help": "Every this many steps, measure the real tau with speculative_generate (0: off)."}
@@ -111,6 +118,8 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}.")
         if self.lm_head_chunk_size < 1 or self.max_length < 2:
             raise ValueError("lm_head_chunk_size must be >= 1 and max_length >= 2.")
+        if self.cache_target_features and self.distill_weight > 0:
+            raise ValueError("cache_target_features keeps features, not logits: use distill_weight=0 with it.")
         if self.remove_unused_columns:
             raise ValueError(
                 "DFlashTrainer needs remove_unused_columns=False (the draft's forward takes no input_ids)."
@@ -275,6 +284,12 @@ class DFlashTrainer(Trainer):
                 dense_mask=args.attention_backend != "flex_attention",
                 draft_vocabulary=model.draft_token_ids,
             )
+        self.feature_cache: list[torch.Tensor] | None = None
+        if args.cache_target_features and kwargs.get("train_dataset") is not None:
+            self.feature_cache = cache_target_features(target, kwargs["train_dataset"], model, args.max_length)
+            kwargs["train_dataset"] = kwargs["train_dataset"].add_column(
+                "row", list(range(len(kwargs["train_dataset"])))
+            )
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self.model_accepts_loss_kwargs = True  # our loss is already normalised over the optimizer step
         self.target = self.accelerator.prepare_model(target.requires_grad_(False).eval(), evaluation_mode=True)
@@ -299,7 +314,10 @@ class DFlashTrainer(Trainer):
         """Weighted block loss divided by the optimizer step's total loss weight (`num_items_in_batch`)."""
         draft = self.accelerator.unwrap_model(model)
         distill = self.args.distill_weight > 0
-        features, target_logits = target_forward(self.target, inputs, self._layer_ids(model), want_logits=distill)
+        if self.feature_cache is not None and "rows" in inputs:
+            features, target_logits = self._cached_features(inputs), None
+        else:
+            features, target_logits = target_forward(self.target, inputs, self._layer_ids(model), distill)
         hidden = draft_training_forward(model, self.embed_tokens, features, inputs, self._draft_mask(inputs))
         teacher = gather_teacher_logits(target_logits, inputs, draft.draft_token_ids) if distill else None
         result = block_loss(
@@ -318,6 +336,13 @@ class DFlashTrainer(Trainer):
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._record(result, "train" if model.training else "eval")
         return (loss, {"hidden": hidden}) if return_outputs else loss
+
+    def _cached_features(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """`[b, T, n*H]` cached features of the batch's rows, zero-padded on the right like the tokens."""
+        seq_len = inputs["input_ids"].shape[1]
+        rows = [self.feature_cache[row][:seq_len] for row in inputs["rows"].tolist()]
+        features = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        return features.to(inputs["input_ids"].device)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
         """Total loss weight of the optimizer step (all micro-batches, all processes)."""
@@ -436,6 +461,22 @@ class DFlashTrainer(Trainer):
         if self.is_world_process_zero():
             self._write_training_info(self.args.output_dir)
             write_model_card(self.args.output_dir, card_info_from_folder(self.args.output_dir))
+
+
+@torch.no_grad()
+def cache_target_features(
+    target: PreTrainedModel, dataset: Any, draft: DFlashForDrafting, max_length: int
+) -> list[torch.Tensor]:
+    """`[T_i, n*H]` draft context features of every training sequence (one target forward each), on the CPU."""
+    from tqdm.auto import tqdm
+
+    layer_ids = list(draft.config.target_layer_ids)
+    features = []
+    for input_ids in tqdm(dataset["input_ids"], desc="caching target features"):
+        ids = torch.tensor(input_ids[:max_length], device=target.device)[None]
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        features.append(target_forward(target, batch, layer_ids, want_logits=False)[0][0].cpu())
+    return features
 
 
 def verify_saved_draft(draft: DFlashForDrafting, folder: str | os.PathLike) -> None:

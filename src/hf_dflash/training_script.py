@@ -52,11 +52,11 @@ def train_main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     target, tokenizer = _load_target(script.target, getattr(torch, script.target_dtype))
     dataset = load_training_dataset(script.data)
-    held_out = dataset.select(range(len(dataset) - script.acceptance_holdout, len(dataset)))
-    train_dataset = dataset.select(range(len(dataset) - script.acceptance_holdout))
-    prompts = [
-        torch.tensor(ids[:length])[None] for ids, length in zip(held_out["input_ids"], _prompt_lengths(held_out))
-    ]
+    split = len(dataset) - script.acceptance_holdout
+    if split < 1:
+        raise ValueError(f"{script.data} has {len(dataset)} records: too few to hold out {script.acceptance_holdout}.")
+    train_dataset = dataset.select(range(split))
+    prompts = _held_out_prompts(dataset.select(range(split, len(dataset)))) if script.acceptance_holdout else []
     draft = _initial_draft(script, args, target, tokenizer)
     if script.draft_vocab_size and not script.init_draft:
         draft.set_draft_vocabulary(frequent_response_tokens(train_dataset, script.draft_vocab_size, target))
@@ -129,10 +129,11 @@ def frequent_response_tokens(dataset, size: int, target: PreTrainedModel) -> tor
     return torch.tensor(chosen)
 
 
-def _prompt_lengths(dataset) -> list[int]:
-    if "prompt_len" in dataset.column_names:
-        return list(dataset["prompt_len"])
-    return [mask.index(1) for mask in dataset["loss_mask"]]
+def _held_out_prompts(dataset) -> list[torch.Tensor]:
+    """`[1, prompt_len]` prompts of held-out records (the tokens before the first supervised one)."""
+    lengths = dataset["prompt_len"] if "prompt_len" in dataset.column_names else None
+    lengths = lengths or [mask.index(1) for mask in dataset["loss_mask"]]
+    return [torch.tensor(ids[:length])[None] for ids, length in zip(dataset["input_ids"], lengths)]
 
 
 def _training_info(script: TrainScriptArguments, train_dataset) -> dict:

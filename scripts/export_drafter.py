@@ -1,0 +1,66 @@
+"""Copy a trained drafter into a smaller dtype for committing or publishing, with its z-lab copy and model card.
+
+python scripts/export_drafter.py runs/smollm2-b8 drafters/smollm2-135m-instruct --dtype bfloat16 \
+    [--acceptance-json benchmarks/bench_smollm2.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from hf_dflash import DFlashForDrafting, DFlashLayouts
+from hf_dflash.model_card import card_info_from_folder, write_model_card
+from hf_dflash.trainer import TRAINING_INFO_FILE, verify_saved_draft
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("source", help="drafter folder written by `hf-dflash train`")
+    parser.add_argument("destination")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--acceptance-json", default=None, help="benchmark report whose tau/speed-up go in the card")
+    args = parser.parse_args()
+    source, destination = Path(args.source), Path(args.destination)
+    draft = DFlashForDrafting.from_pretrained(source).to(getattr(torch, args.dtype))
+    draft.save_pretrained(destination)
+    draft.save_pretrained(destination / "zlab", layout=DFlashLayouts.ZLAB)
+    verify_saved_draft(draft, destination)
+    verify_saved_draft(draft, destination / "zlab")
+    info = json.loads((source / TRAINING_INFO_FILE).read_text()) if (source / TRAINING_INFO_FILE).is_file() else {}
+    if args.acceptance_json:
+        info["acceptance"] = {**info.get("acceptance", {}), **acceptance_from_report(Path(args.acceptance_json))}
+    (destination / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    for leftover in ("training_args.bin",):
+        (destination / leftover).unlink(missing_ok=True)
+    write_model_card(destination, card_info_from_folder(destination))
+    size = sum(path.stat().st_size for path in destination.rglob("*.safetensors")) / 2**20
+    print(f"{destination}: {args.dtype}, {size:.1f} MiB of weights (both layouts)")
+    shutil.rmtree(destination / ".cache", ignore_errors=True)
+
+
+def acceptance_from_report(path: Path) -> dict:
+    """`{dataset: {tau, speedup, conditions}}` from an `hf-dflash bench` JSON report."""
+    report = json.loads(path.read_text())
+    conditions = report["conditions"]
+    described = (
+        f"hf-dflash bench, greedy, batch 1, {conditions['max_new_tokens']} new tokens, {conditions['cpu']}, "
+        f"{conditions['torch_threads']} threads, {conditions['target_dtype']}"
+    )
+    acceptance = {}
+    for dataset, summary in report["datasets"].items():
+        ours = summary["methods"].get("ours", {})
+        acceptance[dataset] = {
+            "tau": round(summary.get("tau", float("nan")), 2),
+            "speedup": round(ours.get("speedup_median_of_ratios", float("nan")), 2),
+            "conditions": f"{summary['methods']['plain']['prompts']} prompts; {described}",
+        }
+    return acceptance
+
+
+if __name__ == "__main__":
+    main()
