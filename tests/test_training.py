@@ -157,11 +157,21 @@ def test_flex_block_mask_selects_the_same_keys_as_the_dense_mask():
         {"input_ids": [5] * 7, "loss_mask": [1] * 7},
     ]
     batch = _collator(num_anchors=3, seed=1)(features)
-    args = (batch["anchor_positions"], batch["anchor_valid"], batch["attention_mask"], B)
-    mask_mod, (batch_size, q_len, kv_len) = flex_mask_mod(*args)
-    flex = create_mask(mask_mod, batch_size, None, q_len, kv_len, device="cpu")
-    assert torch.equal(flex, dense_block_mask(*args))
-    assert flex.any() and not flex.all()
+    for window in (None, 5):
+        args = (batch["anchor_positions"], batch["anchor_valid"], batch["attention_mask"], B, window)
+        mask_mod, (batch_size, q_len, kv_len) = flex_mask_mod(*args)
+        flex = create_mask(mask_mod, batch_size, None, q_len, kv_len, device="cpu")
+        assert torch.equal(flex, dense_block_mask(*args))
+        assert flex.any() and not flex.all()
+
+
+def test_sliding_window_hides_context_older_than_the_window():
+    batch = _collator(sliding_window=3).collate_with_anchors(
+        [{"input_ids": list(range(20, 30)), "loss_mask": [1] * 10}], torch.tensor([[6, 7]]), torch.tensor([[True] * 2])
+    )
+    windowed = batch["draft_sliding_attention_mask"][0, 0, :B, :10]
+    for slot in range(B):  # the slot at position 6 + slot sees context t with t < 6 and 6 + slot - t < 3
+        assert windowed[slot].tolist() == [t < 6 and 6 + slot - t < 3 for t in range(10)]
 
 
 def test_simulated_acceptance_length():
@@ -173,11 +183,14 @@ def test_simulated_acceptance_length():
 # -- training == inference -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "gemma3"])
-def test_training_forward_is_the_inference_forward(family):
+@pytest.mark.parametrize(
+    "family, sliding", [("llama", False), ("qwen3", False), ("gpt2", False), ("gemma3", False), ("llama", True)]
+)
+def test_training_forward_is_the_inference_forward(family, sliding):
     """Every block the real loop drafted, recomputed by the training forward (all blocks in one pass)."""
     target = make_target(family)
-    draft = make_draft(target, block_size=B, num_hidden_layers=2)
+    layers = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6} if sliding else {}
+    draft = make_draft(target, block_size=B, num_hidden_layers=2, **layers)
     drafted = []
     hook = draft.register_forward_hook(
         lambda module, args, kwargs, out: drafted.append((int(kwargs["position_ids"][0, -B]), out.last_hidden_state)),
@@ -187,14 +200,15 @@ def test_training_forward_is_the_inference_forward(family):
     sequence = speculative_generate(target, draft, prompt, max_new_tokens=24).sequences[0]
     hook.remove()
     anchors = torch.tensor([[anchor for anchor, _ in drafted]])
-    collator = _collator(num_anchors=anchors.shape[1])
+    collator = _collator(num_anchors=anchors.shape[1], sliding_window=6 if sliding else None)
     record = {"input_ids": sequence.tolist(), "loss_mask": [0] * 9 + [1] * (len(sequence) - 9)}
     batch = collator.collate_with_anchors([record], anchors, torch.ones_like(anchors, dtype=torch.bool))
+    mask = batch["draft_attention_mask"]
+    if sliding:
+        mask = {"full_attention": mask, "sliding_attention": batch["draft_sliding_attention_mask"]}
     with torch.no_grad():
         features, _ = target_forward(target, batch, draft.config.target_layer_ids, want_logits=False)
-        hidden = draft_training_forward(
-            draft, target.get_input_embeddings(), features, batch, batch["draft_attention_mask"]
-        )
+        hidden = draft_training_forward(draft, target.get_input_embeddings(), features, batch, mask)
     lm_head = target.get_output_embeddings()
     for j, (_, inference_hidden) in enumerate(drafted):
         training_hidden = hidden[:, j * B : (j + 1) * B]

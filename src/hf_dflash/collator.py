@@ -48,15 +48,23 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def dense_block_mask(
-    anchor_positions: torch.Tensor, anchor_valid: torch.Tensor, token_mask: torch.Tensor, block_size: int
+    anchor_positions: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    token_mask: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """`[b, 1, N*B, T + N*B]` boolean mask (True = visible) of the module docstring's rule."""
+    """`[b, 1, N*B, T + N*B]` boolean mask (True = visible) of the module docstring's rule; with `sliding_window` a
+    slot at position `p` also sees only context positions `t > p - sliding_window` (the draft's sliding layers)."""
     batch, num_anchors = anchor_positions.shape
     seq_len = token_mask.shape[1]
     query_anchor = anchor_positions.repeat_interleave(block_size, dim=1)  # [b, N*B]
     query_valid = anchor_valid.repeat_interleave(block_size, dim=1)  # [b, N*B]
     context = torch.arange(seq_len, device=anchor_positions.device)
     sees_context = (context[None, None, :] < query_anchor[:, :, None]) & token_mask.bool()[:, None, :]  # [b, NB, T]
+    if sliding_window is not None:
+        query_position = query_anchor + torch.arange(block_size, device=context.device).repeat(num_anchors)
+        sees_context &= query_position[:, :, None] - context[None, None, :] < sliding_window
     query_block = torch.arange(num_anchors * block_size, device=anchor_positions.device) // block_size
     own_block = query_block[:, None] == query_block[None, :]  # [NB, NB]
     sees_block = own_block[None].expand(batch, -1, -1)
@@ -65,17 +73,25 @@ def dense_block_mask(
 
 
 def flex_block_mask(
-    anchor_positions: torch.Tensor, anchor_valid: torch.Tensor, token_mask: torch.Tensor, block_size: int
+    anchor_positions: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    token_mask: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
 ) -> Any:
     """The same rule as `dense_block_mask`, as a flex-attention `BlockMask` (for `attn_implementation="flex_attention"`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mask_mod, shape = flex_mask_mod(anchor_positions, anchor_valid, token_mask, block_size)
+    mask_mod, shape = flex_mask_mod(anchor_positions, anchor_valid, token_mask, block_size, sliding_window)
     return create_block_mask(mask_mod, B=shape[0], H=None, Q_LEN=shape[1], KV_LEN=shape[2], device=token_mask.device)
 
 
 def flex_mask_mod(
-    anchor_positions: torch.Tensor, anchor_valid: torch.Tensor, token_mask: torch.Tensor, block_size: int
+    anchor_positions: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    token_mask: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
 ) -> tuple[Any, tuple[int, int, int]]:
     """A flex `mask_mod(b, h, q_idx, kv_idx)` for the block rule, and its `(batch, Q_LEN, KV_LEN)`."""
     batch, num_anchors = anchor_positions.shape
@@ -85,7 +101,10 @@ def flex_mask_mod(
     def mask_mod(b, h, q_idx, kv_idx):
         block = (q_idx // block_size).clamp(max=num_anchors - 1)  # flex pads indices past the end: clamp
         in_context = kv_idx < seq_len
-        context_visible = (kv_idx < anchor_positions[b, block]) & token_mask[b, kv_idx.clamp(max=seq_len - 1)]
+        anchor = anchor_positions[b, block]
+        context_visible = (kv_idx < anchor) & token_mask[b, kv_idx.clamp(max=seq_len - 1)]
+        if sliding_window is not None:
+            context_visible = context_visible & (anchor + q_idx % block_size - kv_idx < sliding_window)
         block_visible = (kv_idx - seq_len) // block_size == block
         return anchor_valid[b, block] & torch.where(in_context, context_visible, block_visible)
 
@@ -106,7 +125,8 @@ class DataCollatorForDFlash:
     Returns tensors:
         input_ids, attention_mask `[b, T]`; anchor_positions, anchor_valid `[b, N]`;
         noise_ids, labels, loss_weights `[b, N*B]`; position_ids `[b, T + N*B]` (context, then blocks);
-        draft_attention_mask `[b, 1, N*B, T + N*B]` boolean when `dense_mask` (else build a flex mask on device).
+        draft_attention_mask `[b, 1, N*B, T + N*B]` boolean when `dense_mask` (else build a flex mask on device),
+        and draft_sliding_attention_mask (the same, windowed) when `sliding_window` is set.
     """
 
     block_size: int
@@ -117,6 +137,7 @@ class DataCollatorForDFlash:
     max_length: int | None = None
     seed: int = 0
     dense_mask: bool = True
+    sliding_window: int | None = None
     draft_vocabulary: torch.Tensor | None = None
     epoch: int = 0
 
@@ -163,6 +184,10 @@ class DataCollatorForDFlash:
             batch["draft_attention_mask"] = dense_block_mask(
                 anchor_positions, anchor_valid, attention_mask, self.block_size
             )
+            if self.sliding_window is not None:
+                batch["draft_sliding_attention_mask"] = dense_block_mask(
+                    anchor_positions, anchor_valid, attention_mask, self.block_size, self.sliding_window
+                )
         return batch
 
     # -- steps -------------------------------------------------------------------------------------------------------

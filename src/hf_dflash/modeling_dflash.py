@@ -250,7 +250,8 @@ class DFlashForDrafting(DFlashPreTrainedModel):
             `cat([hidden_states[l + 1] for l in target_layer_ids], -1)`; `n_ctx` may be 0.
         position_ids (`[b, n_ctx + B]`): positions of the new context tokens, then of the block.
         attention_mask: `None` (everything visible), a `[b, past + n_ctx + B]` keep-mask over all keys, or a ready
-            `[b, 1, B, K]` mask (boolean or additive) / flex `BlockMask` used as is (training).
+            `[b, 1, B, K]` mask (boolean or additive) / flex `BlockMask` used as is (training), or a dict of those
+            per layer type (`{"full_attention": ..., "sliding_attention": ...}`).
         cache: a transformers `Cache` holding the context K/V of earlier calls (e.g. `DFlashCache`).
 
     Returns a `BaseModelOutputWithPast` whose `last_hidden_state` (`[b, B, H]`) is after the final norm.
@@ -362,6 +363,10 @@ class DFlashForDrafting(DFlashPreTrainedModel):
 
     def _attention_masks(self, attention_mask: Any, batch: int, block_len: int, num_keys: int) -> dict[bool, Any]:
         """Masks for full (`False`) and sliding (`True`) layers; `None` means every key is visible."""
+        if isinstance(attention_mask, dict):  # per layer type, e.g. from the training collator
+            full = self._attention_masks(attention_mask["full_attention"], batch, block_len, num_keys)[False]
+            sliding = attention_mask.get("sliding_attention", attention_mask["full_attention"])
+            return {False: full, True: self._attention_masks(sliding, batch, block_len, num_keys)[False]}
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             return {False: attention_mask, True: attention_mask}  # e.g. a flex BlockMask, built by the caller
         dtype = self.norm.weight.dtype

@@ -69,6 +69,13 @@ class DFlashTrainingArguments(TrainingArguments):
     mask_token_id: int | None = field(
         default=None, metadata={"help": "Embedding row of the MASK token; default: hf_dflash.choose_mask_token_id."}
     )
+    layer_types: list[str] | None = field(
+        default=None,
+        metadata={"help": "Per new draft layer, full_attention or sliding_attention (default: all full)."},
+    )
+    sliding_window: int | None = field(
+        default=None, metadata={"help": "Window of the sliding draft layers (recent context positions they see)."}
+    )
     max_length: int = field(default=2048, metadata={"help": "Sequences are truncated to this many tokens."})
     attention_backend: str = field(
         default="sdpa", metadata={"help": f"Draft attention during training: one of {ATTENTION_BACKENDS}."}
@@ -282,6 +289,9 @@ class DFlashTrainer(Trainer):
                 max_length=args.max_length,
                 seed=args.seed,
                 dense_mask=args.attention_backend != "flex_attention",
+                sliding_window=model.config.sliding_window
+                if "sliding_attention" in model.config.layer_types
+                else None,
                 draft_vocabulary=model.draft_token_ids,
             )
         self.feature_cache: list[torch.Tensor] | None = None
@@ -363,12 +373,15 @@ class DFlashTrainer(Trainer):
         return list(self.accelerator.unwrap_model(model).config.target_layer_ids)
 
     def _draft_mask(self, inputs: dict[str, Any]) -> Any:
+        """The collator's dense masks, or flex block masks built here; per layer type if the draft has sliding ones."""
+        config = self.accelerator.unwrap_model(self.model).config
+        window = config.sliding_window if "sliding_attention" in config.layer_types else None
         if "draft_attention_mask" in inputs:
-            return inputs["draft_attention_mask"]
-        block_size = self.accelerator.unwrap_model(self.model).config.block_size
-        return flex_block_mask(
-            inputs["anchor_positions"], inputs["anchor_valid"], inputs["attention_mask"], block_size
-        )
+            full, sliding = inputs["draft_attention_mask"], inputs.get("draft_sliding_attention_mask")
+        else:
+            args = (inputs["anchor_positions"], inputs["anchor_valid"], inputs["attention_mask"], config.block_size)
+            full, sliding = flex_block_mask(*args), flex_block_mask(*args, window) if window else None
+        return full if sliding is None else {"full_attention": full, "sliding_attention": sliding}
 
     # -- metrics -------------------------------------------------------------------------------------------------------
 

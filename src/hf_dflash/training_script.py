@@ -103,7 +103,9 @@ def _initial_draft(
     if script.init_draft:
         return DFlashForDrafting.from_pretrained(script.init_draft).to(target.dtype)
     overrides = {
-        name: getattr(args, name) for name in ("target_layer_ids", "mask_token_id") if getattr(args, name) is not None
+        name: getattr(args, name)
+        for name in ("target_layer_ids", "mask_token_id", "layer_types", "sliding_window")
+        if getattr(args, name) is not None
     }
     if script.draft_vocab_size:
         overrides["draft_vocab_size"] = script.draft_vocab_size
