@@ -18,7 +18,7 @@ from transformers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from hf_dflash import DFlashForDrafting
+from hf_dflash import DFlashForDrafting, benchmark
 
 VOCAB = 96
 PAD = VOCAB - 1  # never emitted by the rigged targets below; doubles as the mask token
@@ -117,13 +117,7 @@ def make_draft(target, block_size: int = 8, num_hidden_layers: int = 2, seed: in
 
 def left_pad(prompts: list[torch.Tensor], pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad 1-D prompts into `[b, L]` ids and mask."""
-    length = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), length, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, length - len(prompt) :] = prompt
-        mask[row, length - len(prompt) :] = 1
-    return ids, mask
+    return benchmark.left_pad(prompts, pad_id)
 
 
 class OracleDraft(DFlashForDrafting):

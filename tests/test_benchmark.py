@@ -200,19 +200,12 @@ def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_pat
     assert "OUTPUT MISMATCHES" in capsys.readouterr().out
 
 
-def test_native_and_assisted_take_their_own_paths(monkeypatch, target, draft):
-    from transformers import GenerationMixin
-
-    seen = []
-    routing = GenerationMixin._get_candidate_generator
-
-    def spy(self, *args, **kwargs):
-        generator = routing(self, *args, **kwargs)
-        seen.append(type(generator).__name__)
-        return generator
-
-    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
+def test_native_and_assisted_take_their_own_paths(generator_spy, target, draft):
     config = tiny_config(methods=("native", "assisted", "prompt_lookup"))
     report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1])
     assert report["identical"]
-    assert set(seen) == {"DFlashTokenCandidateGenerator", "DFlashCandidateGenerator", "PromptLookupCandidateGenerator"}
+    assert set(generator_spy) == {
+        "DFlashTokenCandidateGenerator",
+        "DFlashCandidateGenerator",
+        "PromptLookupCandidateGenerator",
+    }

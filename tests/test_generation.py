@@ -5,30 +5,14 @@ budgets and EOS."""
 import pytest
 import torch
 from helpers import FAMILIES, PAD, greedy_reference, left_pad, make_draft, make_oracle, make_target
-from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_dflash import DFlashCandidateGenerator, enable_dflash_generate, speculative_generate
+from hf_dflash import DFlashCandidateGenerator, speculative_generate
 
 
 def random_prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, PAD, (length,), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture
-def generator_spy(monkeypatch):
-    """Records the class of every candidate generator transformers builds."""
-    built = []
-    enable_dflash_generate()  # the routing wraps first; the spy goes around it
-    original = GenerationMixin._get_candidate_generator
-
-    def spy(self, *args, **kwargs):
-        generator = original(self, *args, **kwargs)
-        built.append(type(generator).__name__)
-        return generator
-
-    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
-    return built
 
 
 @pytest.mark.parametrize("family", FAMILIES)

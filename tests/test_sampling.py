@@ -89,6 +89,15 @@ def random_draft(target) -> DFlashForDrafting:
     return draft
 
 
+def samples_from_generate(target, draft, n: int, generation_kwargs: dict) -> list[tuple]:
+    """(t1, t2, t3) of `n` runs of `target.generate(..., assistant_model=draft)`."""
+    samples = []
+    for _ in range(n):
+        out = target.generate(PROMPT, max_new_tokens=4, assistant_model=draft, **generation_kwargs)
+        samples.append(tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()))
+    return samples
+
+
 SETTINGS = [
     {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
     {"do_sample": True, "temperature": 0.7, "top_k": 4, "top_p": 0.9},
@@ -117,11 +126,7 @@ def test_generate_with_assistant_samples_the_target_distribution():
     generation_kwargs = SETTINGS[1]
     exact = exact_joint(target, generation_kwargs)
     torch.manual_seed(1)
-    samples = []
-    for _ in range(1500):
-        out = target.generate(PROMPT, max_new_tokens=4, assistant_model=draft, **generation_kwargs)
-        samples.append(tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()))
-    assert chi_square_pvalue(samples, exact) > 1e-3
+    assert chi_square_pvalue(samples_from_generate(target, draft, 1500, generation_kwargs), exact) > 1e-3
 
 
 def test_reduced_draft_vocabulary_samples_the_target_distribution():
@@ -142,11 +147,7 @@ def test_reduced_draft_vocabulary_samples_the_target_distribution():
     assert out.stats.histogram[3] > 0
     assert chi_square_pvalue(samples, exact) > 1e-3
     torch.manual_seed(3)
-    samples = []
-    for _ in range(1000):
-        generated = target.generate(PROMPT, max_new_tokens=4, assistant_model=draft, **generation_kwargs)
-        samples.append(tuple(generated[0, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()))
-    assert chi_square_pvalue(samples, exact) > 1e-3
+    assert chi_square_pvalue(samples_from_generate(target, draft, 1000, generation_kwargs), exact) > 1e-3
 
 
 def test_the_chi_square_test_rejects_a_biased_sampler(monkeypatch):

@@ -439,44 +439,29 @@ def test_from_target_uses_the_mask_rule():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def generators(monkeypatch):
-    """Names of the candidate generators `generate` builds (the spy wraps whatever routing is installed)."""
-    seen: list[str] = []
-    routing = GenerationMixin._get_candidate_generator
-
-    def spy(self, *args, **kwargs):
-        generator = routing(self, *args, **kwargs)
-        seen.append(type(generator).__name__)
-        return generator
-
-    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
-    return seen
-
-
 def greedy(target, **kwargs):
     with torch.no_grad():
         return target.generate(PROMPT, do_sample=False, max_new_tokens=20, **kwargs)
 
 
-def test_routing_picks_dflash_generator(target, draft, generators):
+def test_routing_picks_dflash_generator(target, draft, generator_spy):
     reference = greedy(target)
-    assert generators == []
+    assert generator_spy == []
     assert torch.equal(greedy(target, assistant_model=draft), reference)
-    assert generators == ["DFlashCandidateGenerator"]
+    assert generator_spy == ["DFlashCandidateGenerator"]
 
 
-def test_routing_keeps_native_dflash_when_asked(target, draft, generators):
+def test_routing_keeps_native_dflash_when_asked(target, draft, generator_spy):
     reference = greedy(target)
     assert torch.equal(greedy(target, assistant_model=draft, speculation_type="dflash"), reference)
-    assert generators == ["DFlashTokenCandidateGenerator"]
+    assert generator_spy == ["DFlashTokenCandidateGenerator"]
 
 
-def test_routing_falls_through_for_an_ordinary_assistant(target, generators):
+def test_routing_falls_through_for_an_ordinary_assistant(target, generator_spy):
     assistant = tiny_llama(seed=1, num_hidden_layers=1)
     reference = greedy(target)
     assert torch.equal(greedy(target, assistant_model=assistant), reference)
-    assert generators == ["AssistedCandidateGenerator"]
+    assert generator_spy == ["AssistedCandidateGenerator"]
 
 
 @pytest.mark.parametrize(
@@ -487,11 +472,11 @@ def test_routing_falls_through_for_an_ordinary_assistant(target, generators):
     ],
 )
 @pytest.mark.parametrize("with_draft", [False, True])
-def test_routing_leaves_other_strategies_alone(kwargs, expected, with_draft, target, draft, generators):
+def test_routing_leaves_other_strategies_alone(kwargs, expected, with_draft, target, draft, generator_spy):
     reference = greedy(target)
     extra = dict(assistant_model=draft) if with_draft else {}
     assert torch.equal(greedy(target, **kwargs, **extra), reference)
-    assert generators == [expected]
+    assert generator_spy == [expected]
 
 
 def test_enable_dflash_generate_is_idempotent(target, draft, tmp_path):

@@ -550,7 +550,8 @@ def time_draft_forward(
     return results
 
 
-def _left_pad(rows: Sequence[torch.LongTensor], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+def left_pad(rows: Sequence[torch.LongTensor], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Left-pad 1-D token rows into `[b, L]` ids and attention mask (what batched generation expects)."""
     length = max(len(r) for r in rows)
     ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.long)
@@ -580,7 +581,7 @@ def measure_batch_throughput(
     results = []
     for batch_size in logging.tqdm(batch_sizes, desc="batch", disable=not progress):
         chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
-        ids, mask = (t.to(device) for t in _left_pad([p.input_ids for p in chosen], pad))
+        ids, mask = (t.to(device) for t in left_pad([p.input_ids for p in chosen], pad))
         warm = generation_kwargs | {"max_new_tokens": min(8, generation_kwargs["max_new_tokens"])}
         target.generate(input_ids=ids, attention_mask=mask, **warm)
         speculative_generate(target, draft, ids, mask, **warm)
