@@ -377,15 +377,30 @@ def run_benchmark(
         "datasets": summaries,
         "per_prompt": per_prompt,
     }
+    # The sub-benchmarks must never cost the main results: a failure is recorded in the report instead.
     if config.draft_block_sizes:
-        report["draft_forward"] = time_draft_forward(
+        report["draft_forward"] = _recorded_failure(time_draft_forward)(
             target, draft, config.draft_block_sizes, config.draft_timing_repeats, config.draft_context_len
         )
     if config.batch_sizes:
-        report["batch"] = measure_batch_throughput(
+        report["batch"] = _recorded_failure(measure_batch_throughput)(
             target, draft, prompts, config.batch_sizes, generation_kwargs, config.repeats, config.progress
         )
     return report
+
+
+def _recorded_failure(function: Callable) -> Callable:
+    """`function`, returning `{"error": ...}` (and logging it) instead of raising."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - reported in the JSON and the log
+            logger.error(f"{function.__name__} failed: {error!r}")
+            return {"error": repr(error)}
+
+    return run
 
 
 def _pad_token_id(target: PreTrainedModel, tokenizer: Any) -> int | None:
@@ -515,6 +530,7 @@ def time_draft_forward(
         torch.manual_seed(0)
         fresh = DFlashForDrafting(config).to(device=device, dtype=draft.dtype).eval()
         cache = DynamicCache(config=fresh.config)
+        cache.activate_past_recording()  # sliding draft layers must be able to crop the block back
         anchor = torch.zeros(1, 1, dtype=torch.long, device=device)
         block = embed(noise_block(anchor, block_size, config.mask_token_id))  # [1, B, H]
         context = torch.randn(1, context_len, num_features, device=device, dtype=draft.dtype)
@@ -529,7 +545,7 @@ def time_draft_forward(
             hidden = fresh(block, new_context, positions, cache=cache).last_hidden_state
             _sync(device)
             head_start = time.perf_counter()
-            lm_head(hidden[:, 1:])
+            fresh.draft_logits(hidden[:, 1:], lm_head)  # over the draft vocabulary, as the loop does
             _sync(device)
             end = time.perf_counter()
             cache.crop(-(block_size + 1))  # back to `context_len` cached tokens
@@ -659,7 +675,10 @@ def render_table(report: dict[str, Any]) -> str:
                 f"{dataset:10s} ours: tau {summary['tau']:.2f}, histogram {summary['tau_histogram']}, "
                 f"draft {summary['draft_ms_per_round']:.1f} ms/round, verify {summary['verify_ms_per_round']:.1f} ms/round"
             )
-    if report.get("draft_forward"):
+    for name in ("draft_forward", "batch"):
+        if isinstance(report.get(name), dict):
+            lines += ["", f"{name} sub-benchmark FAILED: {report[name]['error']}"]
+    if isinstance(report.get("draft_forward"), list):
         lines += [
             "",
             "draft step (forward + LM head), median ms: "
@@ -668,7 +687,7 @@ def render_table(report: dict[str, Any]) -> str:
                 for r in report["draft_forward"]
             ),
         ]
-    if report.get("batch"):
+    if isinstance(report.get("batch"), list):
         lines.append("")
         for r in report["batch"]:
             lines.append(

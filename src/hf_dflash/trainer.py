@@ -457,7 +457,7 @@ class DFlashTrainer(Trainer):
             "anchors_per_sequence": self.args.num_anchors,
             "loss_decay_gamma": self.args.loss_decay_gamma,
             "learning_rate": self.args.learning_rate,
-            "epochs": self.args.num_train_epochs,
+            "epochs": round(self.state.epoch or 0, 2),
             "steps": self.state.global_step,
             "max_length": self.args.max_length,
             "distill_weight": self.args.distill_weight,
