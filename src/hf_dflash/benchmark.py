@@ -38,7 +38,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from .generation_dflash import noise_block
+from .generation_dflash import noise_block, pad_token_id_of
 from .modeling_dflash import DFlashForDrafting
 from .speculative import SpeculativeStats, speculative_generate
 
@@ -406,11 +406,7 @@ def _recorded_failure(function: Callable) -> Callable:
 def _pad_token_id(target: PreTrainedModel, tokenizer: Any) -> int | None:
     if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
         return tokenizer.pad_token_id
-    config = target.generation_config
-    if config.pad_token_id is not None:
-        return config.pad_token_id
-    eos = config.eos_token_id
-    return eos[0] if isinstance(eos, (list, tuple)) else eos
+    return pad_token_id_of(target.generation_config)
 
 
 def _warm_up(target, draft, prompt, names, methods, generation_kwargs, config) -> dict[str, str]:

@@ -78,6 +78,21 @@ def is_dflash_draft(model: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def token_ids(value: Any) -> list[int]:
+    """`None`, one id or a list of ids (as `eos_token_id` may be) -> a list of ids."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def pad_token_id_of(generation_config: Any) -> int:
+    """The id that pads finished rows and batches: `pad_token_id`, else the first EOS id, else 0."""
+    if generation_config.pad_token_id is not None:
+        return int(generation_config.pad_token_id)
+    eos = token_ids(generation_config.eos_token_id)
+    return eos[0] if eos else 0
+
+
 def check_target_supported(target: Any) -> None:
     """Raise a clear error if `target` is a kind of model DFlash cannot speculate for losslessly."""
     target_name = type(target).__name__

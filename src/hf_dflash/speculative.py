@@ -35,6 +35,8 @@ from .generation_dflash import (
     context_features,
     draft_logits_full_vocabulary,
     noise_block,
+    pad_token_id_of,
+    token_ids,
     warp_logits,
 )
 
@@ -184,20 +186,9 @@ def _generate_row_by_row(target, draft, input_ids, attention_mask, config, max_n
         rows.append(out.sequences[0, prompt.shape[1] :])
         counts.append(out.num_new_tokens[0])
         stats.merge(out.stats)
-    pad = _pad_token_id(config)
+    pad = pad_token_id_of(config)
     generated = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
     return SpeculativeOutput(torch.cat([input_ids, generated], dim=1), counts, stats)
-
-
-def _pad_token_id(config: GenerationConfig) -> int:
-    eos = _as_list(config.eos_token_id)
-    return config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [int(value)]
 
 
 def _sampling_warpers(config: GenerationConfig) -> LogitsProcessorList:
@@ -227,8 +218,8 @@ class _SpeculativeLoop:
         self.max_new_tokens = max_new_tokens
         self.do_sample = bool(config.do_sample)
         self.warpers = _sampling_warpers(config) if self.do_sample else LogitsProcessorList()
-        self.eos_ids = _as_list(config.eos_token_id)
-        self.pad_token_id = _pad_token_id(config)
+        self.eos_ids = token_ids(config.eos_token_id)
+        self.pad_token_id = pad_token_id_of(config)
         parameters = inspect.signature(target.forward).parameters
         self.pass_positions = "position_ids" in parameters
         self.pass_logits_to_keep = "logits_to_keep" in parameters

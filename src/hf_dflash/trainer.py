@@ -39,7 +39,7 @@ from .collator import (
     flex_block_mask,
     simulated_acceptance_length,
 )
-from .generation_dflash import check_draft_fits_target, context_features
+from .generation_dflash import check_draft_fits_target, context_features, pad_token_id_of
 from .modeling_dflash import DFlashForDrafting, DFlashLayouts
 from .speculative import speculative_generate
 
@@ -284,7 +284,7 @@ class DFlashTrainer(Trainer):
                 block_size=model.config.block_size,
                 num_anchors=args.num_anchors,
                 mask_token_id=model.config.mask_token_id,
-                pad_token_id=_pad_token_id(target),
+                pad_token_id=pad_token_id_of(target.generation_config),
                 loss_decay_gamma=args.loss_decay_gamma,
                 max_length=args.max_length,
                 seed=args.seed,
@@ -535,16 +535,6 @@ class RealAcceptanceCallback(TrainerCallback):
             [self.trainer.state.global_step, metrics["real_tau"]]
         )
         self.trainer.log(metrics)
-
-
-def _pad_token_id(target: PreTrainedModel) -> int:
-    config = target.config.get_text_config()
-    for candidate in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
-        if isinstance(candidate, (list, tuple)):
-            candidate = candidate[0] if candidate else None
-        if candidate is not None:
-            return int(candidate)
-    return 0
 
 
 __all__ = [

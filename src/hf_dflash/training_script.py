@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, 
 from transformers.utils import logging
 
 from .data import load_training_dataset
+from .generation_dflash import token_ids
 from .modeling_dflash import DFlashForDrafting
 from .targets import KNOWN_TARGETS, load_target
 from .trainer import DFlashTrainer, DFlashTrainingArguments
@@ -120,8 +121,7 @@ def frequent_response_tokens(dataset, size: int, target: PreTrainedModel) -> tor
     counts = Counter()
     for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
         counts.update(token for token, supervised in zip(ids, mask) if supervised)
-    eos = target.generation_config.eos_token_id
-    always = [eos] if isinstance(eos, int) else list(eos or [])
+    always = token_ids(target.generation_config.eos_token_id)
     chosen = list(dict.fromkeys(always + [token for token, _ in counts.most_common(size)]))[:size]
     taken = set(chosen)
     filler = (token for token in range(target.get_input_embeddings().weight.shape[0]) if token not in taken)
