@@ -24,69 +24,23 @@ VOCAB = 96
 PAD = VOCAB - 1  # never emitted by the rigged targets below; doubles as the mask token
 
 _COMMON = {"vocab_size": VOCAB, "pad_token_id": PAD, "bos_token_id": None, "eos_token_id": None}
+# The same small shape for every Llama-like family; what differs per family is spelled out.
+_LLAMA_LIKE = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    **_COMMON,
+}
 FAMILY_CONFIGS = {
-    "llama": lambda: LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **_COMMON,
-    ),
-    "qwen2": lambda: Qwen2Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **_COMMON,
-    ),
-    "qwen3": lambda: Qwen3Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        **_COMMON,
-    ),
-    "mistral": lambda: MistralConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=48,
-        **_COMMON,
-    ),
-    "gemma2": lambda: Gemma2Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=32,
-        **_COMMON,
-    ),
-    "gemma3": lambda: Gemma3TextConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=32,
-        **_COMMON,
-    ),
-    "phi3": lambda: Phi3Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **_COMMON,
-    ),
+    "llama": lambda: LlamaConfig(**_LLAMA_LIKE),
+    "qwen2": lambda: Qwen2Config(**_LLAMA_LIKE),
+    "qwen3": lambda: Qwen3Config(head_dim=16, **_LLAMA_LIKE),
+    "mistral": lambda: MistralConfig(sliding_window=48, **_LLAMA_LIKE),
+    "gemma2": lambda: Gemma2Config(head_dim=16, sliding_window=32, **_LLAMA_LIKE),
+    "gemma3": lambda: Gemma3TextConfig(head_dim=16, sliding_window=32, **_LLAMA_LIKE),
+    "phi3": lambda: Phi3Config(**_LLAMA_LIKE),
     "gpt2": lambda: GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=512, **_COMMON),
     "gpt_neox": lambda: GPTNeoXConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, **_COMMON
