@@ -110,6 +110,9 @@ def test_report_covers_every_method_and_outputs_are_identical(report):
         assert summary["methods"]["plain"]["tokens_per_target_forward"] == 1.0
         assert summary["tau"] >= 1.0
         assert len(summary["tau_histogram"]) == 4 + 1
+        full_block = summary["ours_full_block"]  # the same loop verifying every proposal, summarised apart
+        assert full_block["verified_drafts_per_round"] >= summary["verified_drafts_per_round"]
+        assert full_block["verified_drafts_per_round"] > 2  # B - 1 = 3 but where the token budget cuts a block
     json.dumps(report)  # JSON-ready
 
 
@@ -128,6 +131,7 @@ def test_conditions_are_recorded(report):
     for key in ("OMP_WAIT_POLICY", "torch_threads", "torch", "transformers", "cpu", "target_dtype", "block_size"):
         assert key in conditions
     assert conditions["block_size"] == 4 and conditions["max_new_tokens"] == 12
+    assert len(conditions["verify_costs_relative"]) == 4 and conditions["verify_costs_relative"][0] == 1.0
 
 
 def test_sub_benchmarks(report):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -447,3 +448,36 @@ def test_cached_target_features_give_the_online_loss(tmp_path):
     torch.testing.assert_close(cached.compute_loss(draft, batch), online.compute_loss(draft, batch), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="cache_target_features"):
         _args(tmp_path, cache_target_features=True, distill_weight=0.5)
+
+
+def test_train_command_continues_a_drafter_and_rechooses_its_vocabulary(tmp_path):
+    from hf_dflash.cli import main
+
+    target = make_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    records, _ = _regenerated(target, num_sequences=6, new_tokens=16)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r | {"id": f"t/{i}", "prompt_len": 6}) + "\n" for i, r in enumerate(records)))
+    start = make_draft(target, block_size=4, num_hidden_layers=1, draft_vocab_size=16)
+    start.set_draft_vocabulary(torch.arange(16))  # rows the data's responses mostly do not use
+    start.save_pretrained(tmp_path / "start")
+    common = [
+        "train",
+        "--data",
+        str(data),
+        "--target",
+        str(tmp_path / "target"),
+        "--init_draft",
+        str(tmp_path / "start"),
+    ]
+    common += ["--max_steps", "1", "--acceptance_holdout", "2", "--report_to", "none", "--use_cpu", "true"]
+    common += ["--save_strategy", "no", "--disable_tqdm", "true"]
+    assert main(common + ["--output_dir", str(tmp_path / "out"), "--draft_vocab_size", "16"]) == 0
+    draft = DFlashForDrafting.from_pretrained(tmp_path / "out")
+    response_tokens = Counter(t for r in records[:4] for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
+    most_common = {token for token, _ in response_tokens.most_common(8)}
+    assert most_common <= set(draft.draft_token_ids.tolist())  # re-chosen from this data, not 0..15
+    assert draft.config.num_hidden_layers == 1 and draft.config.block_size == 4  # the start's architecture
+    with pytest.raises(ValueError, match="differs from the 16 of --init_draft"):
+        main(common + ["--output_dir", str(tmp_path / "bad"), "--draft_vocab_size", "32"])
+    assert not (tmp_path / "bad").exists()

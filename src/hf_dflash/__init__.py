@@ -3,6 +3,7 @@
 draft = DFlashForDrafting.from_pretrained("path/to/drafter")          # or .from_target(target) to train one
 out = target.generate(**inputs, assistant_model=draft)                 # transformers' assisted decoding
 out = hf_dflash.speculative_generate(target, draft, input_ids, mask)   # our batched loop, with statistics
+out = hf_dflash.speculative_generate(target, draft, input_ids, mask, verify_costs="auto")  # on a CPU
 """
 
 from transformers import AutoConfig, AutoModel
@@ -11,6 +12,7 @@ from .configuration_dflash import DFlashConfig, default_target_layer_ids
 from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, enable_dflash_generate
 from .modeling_dflash import DFlashForDrafting, DFlashLayouts, choose_mask_token_id
 from .speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
+from .verify_policy import VerifyCosts, measure_verify_costs
 
 __version__ = "0.1.0"
 
@@ -27,9 +29,11 @@ __all__ = [
     "DFlashLayouts",
     "SpeculativeOutput",
     "SpeculativeStats",
+    "VerifyCosts",
     "check_draft_fits_target",
     "choose_mask_token_id",
     "default_target_layer_ids",
     "enable_dflash_generate",
+    "measure_verify_costs",
     "speculative_generate",
 ]

@@ -6,7 +6,10 @@ Design:
   once per repeat, in an order rotated per prompt and per repeat, so clock drift and background load hit all alike;
 - the methods (`default_methods`) are `plain` (`target.generate`, the baseline), `prompt_lookup`
   (`prompt_lookup_num_tokens`), `native` (transformers' own DFlash path, `speculation_type="dflash"`), `assisted`
-  (`generate(assistant_model=draft)`, routed to `DFlashCandidateGenerator`) and `ours` (`speculative_generate`);
+  (`generate(assistant_model=draft)`, routed to `DFlashCandidateGenerator`), `ours` (`speculative_generate` with
+  `config.verify_costs`) and `ours_full_block` (`speculative_generate` verifying every proposal, as published);
+- with `verify_costs="auto"` the target's verify costs are measured once before the warm-up, outside every timing,
+  and recorded in the conditions;
 - greedy runs must be token-identical to `plain` on every prompt and repeat; mismatches are collected, never hidden;
 - tokens/s per prompt use the median time over repeats; a dataset reports the median over prompts, the speedup as a
   ratio of medians and as the median of per-prompt ratios, each computed on the prompts both methods ran;
@@ -41,11 +44,12 @@ from transformers.utils import logging
 from .generation_dflash import noise_block, pad_token_id_of
 from .modeling_dflash import DFlashForDrafting
 from .speculative import SpeculativeStats, speculative_generate
+from .verify_policy import cached_verify_costs
 
 logger = logging.get_logger(__name__)
 
 BASELINE = "plain"
-ALL_METHODS = ("plain", "prompt_lookup", "native", "assisted", "ours")
+ALL_METHODS = ("plain", "prompt_lookup", "native", "assisted", "ours", "ours_full_block")
 CORE_METHODS = ("plain", "assisted", "ours")  # what prompts beyond `full_comparison_limit` run
 
 # A method: (target, draft, input_ids [1, L], attention_mask [1, L], **generation kwargs) -> (sequences, stats | None)
@@ -71,6 +75,7 @@ class BenchmarkConfig:
     draft_timing_repeats: int = 20
     draft_context_len: int = 128  # cached context the timed draft forward attends to (a typical prompt length)
     batch_sizes: tuple[int, ...] = (1, 4, 8)  # empty: skip the batched-throughput comparison
+    verify_costs: str | None = "auto"  # `ours`: "auto" verifies what pays (hf_dflash.verify_policy); None: all
     progress: bool = True
 
 
@@ -115,14 +120,15 @@ def _ours(target, draft, input_ids, attention_mask, **kwargs):
     return out.sequences[:, : input_ids.shape[1] + out.num_new_tokens[0]], out.stats
 
 
-def default_methods(prompt_lookup_num_tokens: int = 10) -> dict[str, Method]:
-    """The five decoding paths, by name."""
+def default_methods(prompt_lookup_num_tokens: int = 10, verify_costs: str | None = "auto") -> dict[str, Method]:
+    """The decoding paths, by name; `ours` verifies as `verify_costs` says, `ours_full_block` every proposal."""
     return {
         "plain": _plain,
         "prompt_lookup": functools.partial(_prompt_lookup, num_tokens=prompt_lookup_num_tokens),
         "native": _native,
         "assisted": _assisted,
-        "ours": _ours,
+        "ours": functools.partial(_ours, verify_costs=verify_costs),
+        "ours_full_block": functools.partial(_ours, verify_costs=None),
     }
 
 
@@ -296,10 +302,12 @@ def run_benchmark(
         target, tokenizer, draft: the models; `tokenizer` is only used to load `config.datasets` and for its pad
             token, so it may be `None` when `prompts` are given.
         prompts: tokenized prompts to use instead of loading `config.datasets`.
-        methods: name -> method table, default `default_methods(config.prompt_lookup_num_tokens)`; every name in
+        methods: name -> method table, default `default_methods(config.prompt_lookup_num_tokens,
+            config.verify_costs)`; every name in
             `config.methods` must be in it.
     """
-    methods = methods if methods is not None else default_methods(config.prompt_lookup_num_tokens)
+    if methods is None:
+        methods = default_methods(config.prompt_lookup_num_tokens, config.verify_costs)
     names = [BASELINE] + [m for m in dict.fromkeys(config.methods) if m != BASELINE]
     unknown = [m for m in names if m not in methods]
     if unknown:
@@ -316,6 +324,7 @@ def run_benchmark(
     if pad_token_id is not None:
         generation_kwargs["pad_token_id"] = pad_token_id
 
+    verify_costs = cached_verify_costs(target, draft, 1) if config.verify_costs == "auto" else None  # untimed
     failed = _warm_up(target, draft, prompts[0], names, methods, generation_kwargs, config)
     names = [m for m in names if m not in failed]
     if BASELINE in failed:
@@ -354,10 +363,17 @@ def run_benchmark(
     if len(datasets) > 1:
         summaries["all"] = summarize(per_prompt, [p.id for p in prompts], names)
     for name, summary in summaries.items():
-        summary |= _speculative_summary(runs, [p.id for p in prompts if name == "all" or p.dataset == name])
+        ids = [p.id for p in prompts if name == "all" or p.dataset == name]
+        summary |= _speculative_summary(runs, ids)
+        if full_block := _speculative_summary(runs, ids, "ours_full_block"):
+            summary["ours_full_block"] = full_block
 
+    conditions = benchmark_conditions(target, draft, config)
+    if verify_costs is not None:
+        conditions["verify_costs_relative"] = verify_costs.relative()  # forward over 1 .. B tokens / over 1 token
+        conditions["draft_cost_relative"] = round(verify_costs.draft / verify_costs.verify[0], 3)
     report = {
-        "conditions": benchmark_conditions(target, draft, config),
+        "conditions": conditions,
         "config": asdict(config),
         "methods": names,
         "failed_methods": failed,
@@ -384,7 +400,13 @@ def run_benchmark(
         )
     if config.batch_sizes:
         report["batch"] = _recorded_failure(measure_batch_throughput)(
-            target, draft, prompts, config.batch_sizes, generation_kwargs, config.repeats, config.progress
+            target,
+            draft,
+            prompts,
+            config.batch_sizes,
+            generation_kwargs | {"verify_costs": config.verify_costs},
+            config.repeats,
+            config.progress,
         )
     return report
 
@@ -480,10 +502,11 @@ def summarize(per_prompt: dict, prompt_ids: Sequence[str], methods: Sequence[str
     return {"methods": summary}
 
 
-def _speculative_summary(runs: Sequence[_Run], prompt_ids: Sequence[str]) -> dict[str, Any]:
-    """tau and its histogram (first repeat: greedy repeats are identical) and draft/verify time per round (all)."""
+def _speculative_summary(runs: Sequence[_Run], prompt_ids: Sequence[str], method: str = "ours") -> dict[str, Any]:
+    """`method`'s tau and histogram (first repeat: greedy repeats are identical), draft/verify time and verified
+    proposals per round (all repeats)."""
     ids = set(prompt_ids)
-    ours = [r for r in runs if r.stats is not None and r.prompt_id in ids]
+    ours = [r for r in runs if r.method == method and r.stats is not None and r.prompt_id in ids]
     if not ours:
         return {}
     first = SpeculativeStats()
@@ -496,6 +519,7 @@ def _speculative_summary(runs: Sequence[_Run], prompt_ids: Sequence[str]) -> dic
         "tau_histogram": first.histogram,
         "draft_ms_per_round": 1000 * sum(r.stats.draft_time_s for r in ours) / max(rounds, 1),
         "verify_ms_per_round": 1000 * sum(r.stats.verify_time_s for r in ours) / max(rounds, 1),
+        "verified_drafts_per_round": sum(r.stats.verified_drafts for r in ours) / max(rounds, 1),
     }
 
 
@@ -584,8 +608,11 @@ def measure_batch_throughput(
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Tokens/s of batched `target.generate` vs batched `speculative_generate` on left-padded batches of the first
-    prompts (reused cyclically when there are fewer prompts than the batch size)."""
+    prompts (reused cyclically when there are fewer prompts than the batch size). A `verify_costs` entry of
+    `generation_kwargs` goes to `speculative_generate` only; `"auto"` costs are measured in its untimed warm-up."""
     device = target.device
+    generation_kwargs = dict(generation_kwargs)
+    ours_kwargs = {"verify_costs": generation_kwargs.pop("verify_costs", None)}
     pad = generation_kwargs.get("pad_token_id")
     pad = 0 if pad is None else pad
     eos = target.generation_config.eos_token_id
@@ -596,7 +623,7 @@ def measure_batch_throughput(
         ids, mask = (t.to(device) for t in left_pad([p.input_ids for p in chosen], pad))
         warm = generation_kwargs | {"max_new_tokens": min(8, generation_kwargs["max_new_tokens"])}
         target.generate(input_ids=ids, attention_mask=mask, **warm)
-        speculative_generate(target, draft, ids, mask, **warm)
+        speculative_generate(target, draft, ids, mask, **warm, **ours_kwargs)
         times: dict[str, list[float]] = {"plain": [], "ours": []}
         for repeat in range(repeats):
             for name in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
@@ -608,7 +635,7 @@ def measure_batch_throughput(
                     plain_counts = count_new_tokens(generated, eos_ids)
                     plain_rows = [row[:n] for row, n in zip(generated.tolist(), plain_counts)]
                 else:
-                    out = speculative_generate(target, draft, ids, mask, **generation_kwargs)
+                    out = speculative_generate(target, draft, ids, mask, **generation_kwargs, **ours_kwargs)
                     ours_counts = out.num_new_tokens
                     ours_rows = [
                         row[ids.shape[1] : ids.shape[1] + n] for row, n in zip(out.sequences.tolist(), ours_counts)
@@ -666,11 +693,13 @@ def render_table(report: dict[str, Any]) -> str:
                 f"{_fmt(row['speedup_ratio_of_medians']):>11s} {_fmt(row['speedup_median_of_ratios']):>14s} "
                 f"{_fmt(row['tokens_per_target_forward']):>8s}"
             )
-        if "tau" in summary:
-            lines.append(
-                f"{dataset:10s} ours: tau {summary['tau']:.2f}, histogram {summary['tau_histogram']}, "
-                f"draft {summary['draft_ms_per_round']:.1f} ms/round, verify {summary['verify_ms_per_round']:.1f} ms/round"
-            )
+        for method, stats in (("ours", summary), ("ours_full_block", summary.get("ours_full_block", {}))):
+            if "tau" in stats:
+                lines.append(
+                    f"{dataset:10s} {method}: tau {stats['tau']:.2f}, histogram {stats['tau_histogram']}, "
+                    f"{stats['verified_drafts_per_round']:.2f} proposals verified, draft "
+                    f"{stats['draft_ms_per_round']:.1f} + verify {stats['verify_ms_per_round']:.1f} ms/round"
+                )
     for name in ("draft_forward", "batch"):
         if isinstance(report.get(name), dict):
             lines += ["", f"{name} sub-benchmark FAILED: {report[name]['error']}"]

@@ -63,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     bench.add_argument("--draft-block-sizes", nargs="*", type=int, default=[4, 8, 16], help="empty: skip")
     bench.add_argument("--batch-sizes", nargs="*", type=int, default=[1, 4, 8], help="empty: skip")
+    bench.add_argument(
+        "--verify",
+        choices=["auto", "all"],
+        default="auto",
+        help="`ours`: verify the proposals that pay for their measured cost (auto) or every proposal (all)",
+    )
     bench.add_argument("--output", default="bench.json", help="JSON report")
     bench.add_argument("--plot", default=None, help="PNG plot; default: next to --output")
     data = commands.add_parser("data", help="regenerate training responses with the target itself (resumable JSONL)")
@@ -95,6 +101,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from hf_dflash import DFlashForDrafting, speculative_generate
     from hf_dflash.targets import load_target
+    from hf_dflash.verify_policy import cached_verify_costs
 
     target, tokenizer = load_target(args.target)
     draft_path = args.draft or (None if args.untrained else committed_drafter(args.target))
@@ -111,12 +118,16 @@ def run_demo(args: argparse.Namespace) -> int:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt")
     budget = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    costs = cached_verify_costs(target, draft, batch_size=1)  # measured once, before any timing
+    print(f"target forward over 1..{len(costs.verify)} tokens costs {costs.relative()} x one token")
 
     with torch.no_grad():
         plain, plain_s = _timed(lambda: target.generate(**inputs, **budget))
         assisted, assisted_s = _timed(lambda: target.generate(**inputs, assistant_model=draft, **budget))
         ours, ours_s = _timed(
-            lambda: speculative_generate(target, draft, inputs.input_ids, inputs.attention_mask, **budget)
+            lambda: speculative_generate(
+                target, draft, inputs.input_ids, inputs.attention_mask, verify_costs=costs, **budget
+            )
         )
     prompt_len = inputs.input_ids.shape[1]
     new_tokens = plain.shape[1] - prompt_len
@@ -130,7 +141,8 @@ def run_demo(args: argparse.Namespace) -> int:
     ]
     for name, seconds in rows:
         print(f"{name:34s} {new_tokens / seconds:7.1f} tokens/s   {seconds:6.2f} s")
-    print(f"tau (tokens per target forward): {ours.stats.tau:.2f}")
+    verified = ours.stats.verified_drafts / max(ours.stats.num_rounds, 1)
+    print(f"tau (tokens per target forward): {ours.stats.tau:.2f}, {verified:.2f} proposals verified per round")
     print(f"identical output on all three paths: {identical}")
     summary = {"new_tokens": new_tokens, "identical": identical, "tau": ours.stats.tau}
     summary |= {name: round(new_tokens / seconds, 2) for name, seconds in rows}
@@ -197,6 +209,7 @@ def run_bench(args: argparse.Namespace) -> int:
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         draft_block_sizes=tuple(args.draft_block_sizes),
         batch_sizes=tuple(args.batch_sizes),
+        verify_costs="auto" if args.verify == "auto" else None,
     )
     report = benchmark.run_benchmark(config, target, tokenizer, draft)
     report["conditions"]["target"] = args.target

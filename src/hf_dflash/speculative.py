@@ -39,6 +39,7 @@ from .generation_dflash import (
     token_ids,
     warp_logits,
 )
+from .verify_policy import VerifyCosts, cached_verify_costs
 
 logger = logging.get_logger(__name__)
 
@@ -67,6 +68,7 @@ class SpeculativeStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     new_tokens: int = 0
+    verified_drafts: int = 0  # proposals the target checked, over all rounds (fewer than B - 1 with verify_costs)
 
     @property
     def tau(self) -> float:
@@ -87,7 +89,7 @@ class SpeculativeStats:
         """Add another run's counts and times to this one (used when a batch is decoded row by row)."""
         self.acceptance_lengths += other.acceptance_lengths
         self.block_size = max(self.block_size, other.block_size)
-        for name in ("num_rounds", "prefill_time_s", "draft_time_s", "verify_time_s", "new_tokens"):
+        for name in ("num_rounds", "prefill_time_s", "draft_time_s", "verify_time_s", "new_tokens", "verified_drafts"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
 
@@ -100,6 +102,7 @@ class SpeculativeStats:
             "prefill_time_s": self.prefill_time_s,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
+            "verified_drafts_per_round": self.verified_drafts / max(self.num_rounds, 1),
         }
 
 
@@ -121,6 +124,7 @@ def speculative_generate(
     attention_mask: torch.Tensor | None = None,
     streamer: Any | None = None,
     generation_config: GenerationConfig | None = None,
+    verify_costs: VerifyCosts | str | None = None,
     **generation_kwargs: Any,
 ) -> SpeculativeOutput:
     """Generate with `target`, drafting with the DFlash `draft`; the output is exactly the target's own.
@@ -133,6 +137,11 @@ def speculative_generate(
         streamer: a transformers streamer (`TextStreamer`, ...), batch size 1 only.
         generation_config / generation_kwargs: `max_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
             `min_p`, `eos_token_id`, `pad_token_id`; defaults come from `target.generation_config`.
+        verify_costs: `None` verifies every proposal of the block (DFlash as published: right where verifying a
+            block costs about one token, as on a GPU). `"auto"` measures the target's forward time over 1 .. B
+            tokens once (about a second on a CPU; cached per target) and each round verifies only as many
+            proposals as pay for their cost given the draft's confidence (`hf_dflash.verify_policy`); or pass
+            measured `VerifyCosts`. The output is the target's own either way.
 
     Returns:
         `SpeculativeOutput` with the sequences, the new-token counts and `SpeculativeStats` (tau, histogram, times).
@@ -145,10 +154,19 @@ def speculative_generate(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
+    costs = _resolve_verify_costs(target, draft, verify_costs, batch_size)
     if batch_size > 1 and _has_sliding_window(target):
-        return _generate_row_by_row(target, draft, input_ids, attention_mask, config, max_new_tokens)
-    loop = _SpeculativeLoop(target, draft, config, max_new_tokens, streamer)
+        return _generate_row_by_row(target, draft, input_ids, attention_mask, config, max_new_tokens, costs)
+    loop = _SpeculativeLoop(target, draft, config, max_new_tokens, streamer, costs)
     return loop.run(input_ids, attention_mask)
+
+
+def _resolve_verify_costs(target, draft, verify_costs, batch_size: int) -> VerifyCosts | None:
+    if verify_costs is None or isinstance(verify_costs, VerifyCosts):
+        return verify_costs
+    if verify_costs == "auto":
+        return cached_verify_costs(target, draft, batch_size)
+    raise ValueError(f"verify_costs must be None, 'auto' or a VerifyCosts, got {verify_costs!r}.")
 
 
 def _resolve_generation_config(
@@ -177,12 +195,13 @@ def _has_sliding_window(target: PreTrainedModel) -> bool:
     )
 
 
-def _generate_row_by_row(target, draft, input_ids, attention_mask, config, max_new_tokens) -> SpeculativeOutput:
+def _generate_row_by_row(target, draft, input_ids, attention_mask, config, max_new_tokens, costs) -> SpeculativeOutput:
     logger.info("Target uses sliding-window attention: decoding the batch row by row to stay lossless.")
     rows, counts, stats = [], [], SpeculativeStats()
     for row_ids, row_mask in zip(input_ids, attention_mask):
         prompt = row_ids[row_mask.bool()][None]  # strip the left padding
-        out = _SpeculativeLoop(target, draft, config, max_new_tokens, None).run(prompt, torch.ones_like(prompt))
+        loop = _SpeculativeLoop(target, draft, config, max_new_tokens, None, costs)
+        out = loop.run(prompt, torch.ones_like(prompt))
         rows.append(out.sequences[0, prompt.shape[1] :])
         counts.append(out.num_new_tokens[0])
         stats.merge(out.stats)
@@ -208,8 +227,16 @@ def _sampling_warpers(config: GenerationConfig) -> LogitsProcessorList:
 class _SpeculativeLoop:
     """State of one batched run; `run` reads top to bottom: prefill, then draft / verify / accept / roll back."""
 
-    def __init__(self, target, draft, config: GenerationConfig, max_new_tokens: int, streamer: Any | None):
-        self.target, self.draft, self.streamer = target, draft, streamer
+    def __init__(
+        self,
+        target,
+        draft,
+        config: GenerationConfig,
+        max_new_tokens: int,
+        streamer: Any | None,
+        verify_costs: VerifyCosts | None = None,
+    ):
+        self.target, self.draft, self.streamer, self.verify_costs = target, draft, streamer, verify_costs
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.layer_ids = list(draft.config.target_layer_ids)
@@ -262,7 +289,11 @@ class _SpeculativeLoop:
         remaining = max(self.max_new_tokens - len(g) for g, d in zip(self.generated, self.done.tolist()) if not d)
         num_draft = max(min(self.block_size - 1, remaining - 1), 0)
         start = time.perf_counter()
-        draft_ids, q = self._draft(bonus, num_draft)  # [b, k], [b, k, V] or None
+        draft_ids, q, confidence = self._draft(bonus, num_draft)  # [b, k], [b, k, V] or None, [b, k]
+        if self.verify_costs is not None and num_draft > 0:  # keep only the proposals worth their verify cost
+            num_draft = self.verify_costs.best_num_draft(confidence[~self.done] if self.done.any() else confidence)
+            draft_ids, q = draft_ids[:, :num_draft], None if q is None else q[:, :num_draft]
+        self.stats.verified_drafts += num_draft
         verify_start = time.perf_counter()
         self.stats.draft_time_s += verify_start - start
         verify_ids = torch.cat([bonus[:, None], draft_ids], dim=1)  # [b, k + 1]
@@ -276,10 +307,14 @@ class _SpeculativeLoop:
         self._commit(accepted, count_round=True)
         return new_bonus
 
-    def _draft(self, bonus: torch.LongTensor, num_draft: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    def _draft(
+        self, bonus: torch.LongTensor, num_draft: int
+    ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
+        """`k` proposals `[b, k]`, their distributions `q` `[b, k, V]` (sampling only) and the draft's
+        probability of its own most likely token at each slot `[b, k]` (which decides how many to verify)."""
         batch = bonus.shape[0]
         if num_draft == 0:
-            return bonus.new_zeros(batch, 0), None
+            return bonus.new_zeros(batch, 0), None, bonus.new_zeros(batch, 0).float()
         block_positions = self.next_position[:, None] + torch.arange(self.block_size, device=bonus.device)
         out = self.draft(
             noise_embeds=self.embed_tokens(noise_block(bonus[:, None], self.block_size, self.mask_token_id)),
@@ -294,10 +329,12 @@ class _SpeculativeLoop:
         self.draft_key_mask = torch.cat([self.draft_key_mask, self.context_mask], dim=1)
         hidden = out.last_hidden_state[:, 1 : 1 + num_draft]
         if not self.do_sample:  # argmax over the draft vocabulary, mapped to target ids
-            return self.draft.to_target_ids(self.draft.draft_logits(hidden, self.lm_head).argmax(-1)), None
+            confidence, best = self.draft.draft_logits(hidden, self.lm_head).float().softmax(-1).max(-1)
+            return self.draft.to_target_ids(best), None, confidence
         logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden)  # [b, k, V]
         q = warp_logits(logits, bonus[:, None], self.warpers).softmax(-1)
-        return torch.multinomial(q.flatten(0, 1), 1).view(batch, num_draft), q
+        # confidence from q alone, before sampling: how many to verify must not depend on the sampled tokens
+        return torch.multinomial(q.flatten(0, 1), 1).view(batch, num_draft), q, q.max(-1).values
 
     def _accept(
         self, draft_ids: torch.LongTensor, q: torch.Tensor | None, target_logits: torch.Tensor

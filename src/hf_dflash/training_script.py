@@ -38,7 +38,10 @@ class TrainScriptArguments:
     init_draft: str | None = field(default=None, metadata={"help": "Start from this drafter folder instead of fresh."})
     draft_vocab_size: int | None = field(
         default=None,
-        metadata={"help": "Draft over the N most frequent response tokens of the data only (cheaper draft LM head)."},
+        metadata={
+            "help": "Draft over the N most frequent response tokens of the data only (cheaper draft LM head); with "
+            "--init_draft, the same N as that drafter, its tokens re-chosen from this data."
+        },
     )
     acceptance_holdout: int = field(
         default=4, metadata={"help": "Records held out of training whose prompts measure the real tau."}
@@ -59,7 +62,7 @@ def train_main(argv: list[str] | None = None) -> int:
     train_dataset = dataset.select(range(split))
     prompts = _held_out_prompts(dataset.select(range(split, len(dataset)))) if script.acceptance_holdout else []
     draft = _initial_draft(script, args, target, tokenizer)
-    if script.draft_vocab_size and not script.init_draft:
+    if script.draft_vocab_size:  # the LM head is the target's: choosing the rows anew loses nothing learned
         draft.set_draft_vocabulary(frequent_response_tokens(train_dataset, script.draft_vocab_size, target))
     trainer = DFlashTrainer(
         model=draft.train(),
@@ -102,7 +105,13 @@ def _initial_draft(
     script: TrainScriptArguments, args: DFlashTrainingArguments, target, tokenizer
 ) -> DFlashForDrafting:
     if script.init_draft:
-        return DFlashForDrafting.from_pretrained(script.init_draft).to(target.dtype)
+        draft = DFlashForDrafting.from_pretrained(script.init_draft).to(target.dtype)
+        if script.draft_vocab_size and script.draft_vocab_size != draft.config.draft_vocab_size:
+            raise ValueError(
+                f"--draft_vocab_size {script.draft_vocab_size} differs from the {draft.config.draft_vocab_size} of "
+                f"--init_draft {script.init_draft}; pass the same size (its rows are re-chosen from this data) or none."
+            )
+        return draft
     overrides = {
         name: getattr(args, name)
         for name in ("target_layer_ids", "mask_token_id", "layer_types", "sliding_window")

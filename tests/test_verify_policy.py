@@ -1,0 +1,117 @@
+"""Verifying only the proposals worth their cost (`verify_costs`): the choice itself, and that the output stays the
+target's own, greedy token for token and sampled by a chi-square test."""
+
+import pytest
+import torch
+from helpers import left_pad, make_draft, make_oracle, make_target
+from test_generation import random_prompt
+from test_sampling import PROMPT, SETTINGS, chi_square_pvalue, exact_joint, peaky_target, random_draft
+
+from hf_dflash import speculative_generate
+from hf_dflash.verify_policy import VerifyCosts, cached_verify_costs, measure_verify_costs
+
+
+def quadratic_costs(block_size: int, growth: float) -> VerifyCosts:
+    """Verify over n tokens costs 1 + growth * (n - 1)^2: steep growth keeps few proposals, flat keeps them all."""
+    return VerifyCosts(verify=tuple(1.0 + growth * (n - 1) ** 2 for n in range(1, block_size + 1)), draft=0.0)
+
+
+def test_best_num_draft_maximises_expected_tokens_per_second():
+    costs = VerifyCosts(verify=(1.0, 1.1, 1.2, 3.0), draft=0.0)
+    # expected tokens for k = 0..3: 1, 1.9, 2.71, 2.781; per cost: 1, 1.73, 2.26, 0.93
+    assert costs.best_num_draft(torch.tensor([[0.9, 0.9, 0.1]])) == 2
+    assert costs.best_num_draft(torch.tensor([[0.05, 0.9, 0.9]])) == 0  # the first proposal is already doubtful
+    gpu_like = VerifyCosts(verify=(1.0,) * 8, draft=0.1)
+    assert gpu_like.best_num_draft(torch.full((1, 7), 0.3)) == 7  # verifying is free: keep every proposal
+
+
+def test_best_num_draft_adds_up_the_rows_of_a_batch():
+    costs = VerifyCosts(verify=(1.0, 1.5), draft=0.0)
+    assert costs.best_num_draft(torch.tensor([[0.4]])) == 0  # 1.4 / 1.5 < 1
+    assert costs.best_num_draft(torch.tensor([[0.4], [0.9]])) == 1  # (2 + 1.3) / 1.5 > 2
+    assert costs.best_num_draft(torch.tensor([[0.9, 0.9]])) == 1  # cannot verify more than B tokens costed
+
+
+def test_best_num_draft_counts_the_draft_cost():
+    confident = torch.tensor([[0.6, 0.6]])  # expected tokens 1, 1.6, 1.96
+    verify = (1.0, 1.7, 2.2)
+    assert VerifyCosts(verify=verify, draft=0.0).best_num_draft(confident) == 0  # 1 > 0.94 > 0.89
+    assert VerifyCosts(verify=verify, draft=2.0).best_num_draft(confident) == 2  # 0.33 < 0.43 < 0.47
+
+
+@pytest.mark.parametrize(
+    "bad", [{"verify": (), "draft": 0.0}, {"verify": (1.0, 0.0), "draft": 0.0}, {"verify": (1.0,), "draft": -1.0}]
+)
+def test_invalid_costs_are_refused(bad):
+    with pytest.raises(ValueError, match="VerifyCosts needs"):
+        VerifyCosts(**bad)
+
+
+def test_unknown_verify_costs_value_is_refused():
+    target = make_target("llama")
+    with pytest.raises(ValueError, match="verify_costs must be None, 'auto' or a VerifyCosts"):
+        speculative_generate(
+            target, make_draft(target), random_prompt(5, 0)[None], max_new_tokens=3, verify_costs="on"
+        )
+
+
+def test_measured_costs_cover_the_block_and_are_cached_per_batch_size():
+    target = make_target("llama")
+    draft = make_draft(target, block_size=4)
+    costs = measure_verify_costs(target, draft, context_length=16, repeats=1)
+    assert len(costs.verify) == 4 and all(cost > 0 for cost in costs.verify) and costs.draft > 0
+    once = cached_verify_costs(target, draft, batch_size=1)
+    assert cached_verify_costs(target, draft, batch_size=1) is once
+    assert cached_verify_costs(target, draft, batch_size=2) is not once
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gpt2"])
+@pytest.mark.parametrize("growth", [0.05, 0.3])
+@pytest.mark.parametrize("p_wrong", [0.0, 0.3])
+def test_greedy_identical_when_verifying_fewer_proposals(family, growth, p_wrong):
+    target = make_target(family)
+    prompt = random_prompt(20, seed=11)
+    with torch.no_grad():
+        reference = target.generate(prompt[None], max_new_tokens=50, do_sample=False)[0]
+    draft = make_oracle(target, [reference], p_wrong, block_size=8)
+    ours = speculative_generate(
+        target, draft, prompt[None], max_new_tokens=50, verify_costs=quadratic_costs(8, growth)
+    )
+    assert ours.sequences[0].tolist() == reference.tolist()
+    per_round = ours.stats.verified_drafts / ours.stats.num_rounds
+    assert 0 < per_round < 7  # proposals were really cut, and some were still verified
+    assert ours.stats.tau > 1
+
+
+def test_batched_rows_stay_exact_when_verifying_fewer_proposals():
+    target = make_target("qwen2")
+    prompts = [random_prompt(n, seed=200 + n) for n in (4, 25, 13)]
+    input_ids, attention_mask = left_pad(prompts)
+    with torch.no_grad():
+        references = [target.generate(p[None], max_new_tokens=40, do_sample=False)[0] for p in prompts]
+    draft = make_oracle(target, references, p_wrong=0.2, block_size=8, seed=3)
+    out = speculative_generate(
+        target, draft, input_ids, attention_mask, max_new_tokens=40, verify_costs=quadratic_costs(8, 0.1)
+    )
+    for row, (prompt, reference) in enumerate(zip(prompts, references)):
+        new = reference[len(prompt) :].tolist()
+        assert out.sequences[row, input_ids.shape[1] : input_ids.shape[1] + len(new)].tolist() == new
+    assert out.stats.verified_drafts < 7 * out.stats.num_rounds
+
+
+@pytest.mark.parametrize("generation_kwargs", SETTINGS, ids=["plain", "temperature-topk-topp"])
+def test_sampling_stays_lossless_when_verifying_fewer_proposals(generation_kwargs):
+    """Only the first of the two proposals of the first round is verified, chosen before sampling."""
+    target = peaky_target("llama")
+    draft = random_draft(target)
+    exact = exact_joint(target, generation_kwargs)
+    torch.manual_seed(2)
+    n = 6000
+    costs = VerifyCosts(verify=(1.0, 1.0, 100.0, 100.0), draft=0.0)
+    out = speculative_generate(
+        target, draft, PROMPT.expand(n, -1), max_new_tokens=4, verify_costs=costs, **generation_kwargs
+    )
+    histogram = out.stats.histogram
+    assert histogram[1] > 0 and histogram[2] > 0 and histogram[3] == 0  # one proposal verified, never two
+    samples = [tuple(row) for row in out.sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()]
+    assert chi_square_pvalue(samples, exact) > 1e-3
