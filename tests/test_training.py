@@ -450,6 +450,13 @@ def test_cached_target_features_give_the_online_loss(tmp_path):
         _args(tmp_path, cache_target_features=True, distill_weight=0.5)
 
 
+def test_a_block_size_that_differs_from_the_drafter_is_refused(tmp_path):
+    target = make_target("llama")
+    draft = make_draft(target, block_size=8, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="pass block_size=8"):
+        DFlashTrainer(model=draft, target=target, args=_args(tmp_path, block_size=4))
+
+
 def test_train_command_continues_a_drafter_and_rechooses_its_vocabulary(tmp_path):
     from hf_dflash.cli import main
 
@@ -470,7 +477,8 @@ def test_train_command_continues_a_drafter_and_rechooses_its_vocabulary(tmp_path
         "--init_draft",
         str(tmp_path / "start"),
     ]
-    common += ["--max_steps", "1", "--acceptance_holdout", "2", "--report_to", "none", "--use_cpu", "true"]
+    common += ["--max_steps", "1", "--block_size", "4", "--acceptance_holdout", "2", "--report_to", "none"]
+    common += ["--use_cpu", "true"]
     common += ["--save_strategy", "no", "--disable_tqdm", "true"]
     assert main(common + ["--output_dir", str(tmp_path / "out"), "--draft_vocab_size", "16"]) == 0
     draft = DFlashForDrafting.from_pretrained(tmp_path / "out")

@@ -115,3 +115,27 @@ def test_sampling_stays_lossless_when_verifying_fewer_proposals(generation_kwarg
     assert histogram[1] > 0 and histogram[2] > 0 and histogram[3] == 0  # one proposal verified, never two
     samples = [tuple(row) for row in out.sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()]
     assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_generate_with_a_costed_drafter_proposes_fewer_and_stays_exact(family, monkeypatch):
+    from hf_dflash import DFlashCandidateGenerator
+
+    target = make_target(family)
+    prompt = random_prompt(15, seed=12)
+    with torch.no_grad():
+        reference = target.generate(prompt[None], max_new_tokens=40, do_sample=False)[0]
+    draft = make_oracle(target, [reference], p_wrong=0.3, block_size=8)
+    draft.verify_costs = quadratic_costs(8, 0.1)
+    proposed = []
+    original = DFlashCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, *args, **kwargs):
+        candidates, logits = original(self, input_ids, *args, **kwargs)
+        proposed.append(candidates.shape[1] - input_ids.shape[1])
+        return candidates, logits
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "get_candidates", recording)
+    out = target.generate(prompt[None], max_new_tokens=40, do_sample=False, assistant_model=draft)
+    assert out[0].tolist() == reference.tolist()
+    assert 0 < max(proposed) < 7  # proposals were cut short, and some were still proposed

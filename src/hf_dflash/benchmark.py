@@ -6,8 +6,8 @@ Design:
   once per repeat, in an order rotated per prompt and per repeat, so clock drift and background load hit all alike;
 - the methods (`default_methods`) are `plain` (`target.generate`, the baseline), `prompt_lookup`
   (`prompt_lookup_num_tokens`), `native` (transformers' own DFlash path, `speculation_type="dflash"`), `assisted`
-  (`generate(assistant_model=draft)`, routed to `DFlashCandidateGenerator`), `ours` (`speculative_generate` with
-  `config.verify_costs`) and `ours_full_block` (`speculative_generate` verifying every proposal, as published);
+  (`generate(assistant_model=draft)`, routed to `DFlashCandidateGenerator`), `ours` (`speculative_generate`), both
+  with `config.verify_costs`, and `ours_full_block` (`speculative_generate` verifying every proposal, as published);
 - with `verify_costs="auto"` the target's verify costs are measured once before the warm-up, outside every timing,
   and recorded in the conditions;
 - greedy runs must be token-identical to `plain` on every prompt and repeat; mismatches are collected, never hidden;
@@ -111,8 +111,13 @@ def _native(target, draft, input_ids, attention_mask, **kwargs):
     return out, None
 
 
-def _assisted(target, draft, input_ids, attention_mask, **kwargs):
-    return target.generate(input_ids=input_ids, attention_mask=attention_mask, assistant_model=draft, **kwargs), None
+def _assisted(target, draft, input_ids, attention_mask, verify_costs: str | None = None, **kwargs):
+    draft.verify_costs = cached_verify_costs(target, draft, 1) if verify_costs == "auto" else None  # greedy only
+    try:
+        out = target.generate(input_ids=input_ids, attention_mask=attention_mask, assistant_model=draft, **kwargs)
+    finally:
+        draft.verify_costs = None
+    return out, None
 
 
 def _ours(target, draft, input_ids, attention_mask, **kwargs):
@@ -126,7 +131,7 @@ def default_methods(prompt_lookup_num_tokens: int = 10, verify_costs: str | None
         "plain": _plain,
         "prompt_lookup": functools.partial(_prompt_lookup, num_tokens=prompt_lookup_num_tokens),
         "native": _native,
-        "assisted": _assisted,
+        "assisted": functools.partial(_assisted, verify_costs=verify_costs),
         "ours": functools.partial(_ours, verify_costs=verify_costs),
         "ours_full_block": functools.partial(_ours, verify_costs=None),
     }

@@ -278,6 +278,11 @@ class DFlashTrainer(Trainer):
         if not isinstance(args, DFlashTrainingArguments):
             raise TypeError("DFlashTrainer needs DFlashTrainingArguments (block size, anchors, gamma, ...).")
         check_draft_fits_target(target, model, max_batch_size=None)
+        if args.block_size != model.config.block_size:
+            raise ValueError(
+                f"DFlashTrainingArguments.block_size is {args.block_size} but the drafter's block size is "
+                f"{model.config.block_size}; pass block_size={model.config.block_size} (it sets the loss decay default)."
+            )
         model.set_attn_implementation(args.attention_backend)
         if data_collator is None:
             data_collator = DataCollatorForDFlash(
