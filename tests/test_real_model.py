@@ -65,7 +65,11 @@ def test_committed_drafter_is_lossless_and_accepts_more_than_one_token(smollm2, 
         plain = target.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
         assisted = target.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, assistant_model=draft)
         ours = speculative_generate(target, draft, inputs.input_ids, max_new_tokens=MAX_NEW_TOKENS)
-        assert assisted.tolist() == plain.tolist() == ours.sequences.tolist()
+        costed = speculative_generate(
+            target, draft, inputs.input_ids, max_new_tokens=MAX_NEW_TOKENS, verify_costs="auto"
+        )
+        assert assisted.tolist() == plain.tolist() == ours.sequences.tolist() == costed.sequences.tolist()
+        assert costed.stats.verified_drafts < ours.stats.verified_drafts  # the CPU costs really cut proposals
         lengths += ours.stats.acceptance_lengths
     assert sum(lengths) / len(lengths) > 1.2
 

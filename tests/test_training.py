@@ -410,14 +410,20 @@ def test_distillation_loss_trains(tmp_path):
     assert torch.isfinite(loss) and loss.item() != pytest.approx(plain.item())
 
 
-def test_train_command_trains_saves_and_cards_a_drafter(tmp_path):
-    from hf_dflash.cli import main
-
+def _saved_target_and_data(tmp_path: Path):
+    """A tiny target saved to `tmp_path/target` and 6 records it wrote, as the JSONL `hf-dflash train` reads."""
     target = make_target("llama")
     target.save_pretrained(tmp_path / "target")
     records, _ = _regenerated(target, num_sequences=6, new_tokens=16)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r | {"id": f"t/{i}", "prompt_len": 6}) + "\n" for i, r in enumerate(records)))
+    return target, records, data
+
+
+def test_train_command_trains_saves_and_cards_a_drafter(tmp_path):
+    from hf_dflash.cli import main
+
+    target, records, data = _saved_target_and_data(tmp_path)
     out = tmp_path / "drafter"
     argv = ["train", "--data", str(data), "--target", str(tmp_path / "target"), "--output_dir", str(out)]
     argv += ["--max_steps", "2", "--block_size", "4", "--mask_token_id", str(PAD), "--acceptance_holdout", "2"]
@@ -460,11 +466,7 @@ def test_a_block_size_that_differs_from_the_drafter_is_refused(tmp_path):
 def test_train_command_continues_a_drafter_and_rechooses_its_vocabulary(tmp_path):
     from hf_dflash.cli import main
 
-    target = make_target("llama")
-    target.save_pretrained(tmp_path / "target")
-    records, _ = _regenerated(target, num_sequences=6, new_tokens=16)
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r | {"id": f"t/{i}", "prompt_len": 6}) + "\n" for i, r in enumerate(records)))
+    target, records, data = _saved_target_and_data(tmp_path)
     start = make_draft(target, block_size=4, num_hidden_layers=1, draft_vocab_size=16)
     start.set_draft_vocabulary(torch.arange(16))  # rows the data's responses mostly do not use
     start.save_pretrained(tmp_path / "start")
