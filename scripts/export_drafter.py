@@ -51,6 +51,8 @@ def acceptance_from_report(path: Path) -> dict:
         f"hf-dflash bench, greedy, batch 1, {conditions['max_new_tokens']} new tokens, {conditions['cpu']}, "
         f"{conditions['torch_threads']} threads, {conditions['target_dtype']}"
     )
+    if "verify_costs_relative" in conditions:
+        described += ", speculative_generate(verify_costs='auto')"
     acceptance = {}
     for dataset, summary in report["datasets"].items():
         ours = summary["methods"].get("ours", {})
