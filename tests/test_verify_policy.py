@@ -139,3 +139,13 @@ def test_generate_with_a_costed_drafter_proposes_fewer_and_stays_exact(family, m
     out = target.generate(prompt[None], max_new_tokens=40, do_sample=False, assistant_model=draft)
     assert out[0].tolist() == reference.tolist()
     assert 0 < max(proposed) < 7  # proposals were cut short, and some were still proposed
+
+
+def test_sliding_window_batches_decoded_row_by_row_are_costed_per_row():
+    from hf_dflash.verify_policy import _MEASURED
+
+    target = make_target("gemma3")  # sliding-window layers: a batch is decoded one row at a time
+    draft = make_draft(target, block_size=4)
+    input_ids, attention_mask = left_pad([random_prompt(6, seed=1), random_prompt(9, seed=2)])
+    speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=5, verify_costs="auto")
+    assert [key[1] for key in _MEASURED[target]] == [1]  # (block size, batch size, device, dtype)

@@ -154,8 +154,9 @@ def speculative_generate(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
-    costs = _resolve_verify_costs(target, draft, verify_costs, batch_size)
-    if batch_size > 1 and _has_sliding_window(target):
+    row_by_row = batch_size > 1 and _has_sliding_window(target)
+    costs = _resolve_verify_costs(target, draft, verify_costs, 1 if row_by_row else batch_size)
+    if row_by_row:
         return _generate_row_by_row(target, draft, input_ids, attention_mask, config, max_new_tokens, costs)
     loop = _SpeculativeLoop(target, draft, config, max_new_tokens, streamer, costs)
     return loop.run(input_ids, attention_mask)
