@@ -79,6 +79,7 @@ def measure_verify_costs(
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (batch_size, context_length), generator=generator).to(device)
     cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()  # sliding-window layers must be able to crop each timed forward back
     target(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
     layers = [i + 1 for i in draft.config.target_layer_ids]
     timings: list[list[float]] = [[] for _ in range(block_size)]
