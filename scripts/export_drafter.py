@@ -1,7 +1,7 @@
 """Copy a trained drafter into a smaller dtype for committing or publishing, with its z-lab copy and model card.
 
 python scripts/export_drafter.py runs/smollm2-b8 drafters/smollm2-135m-instruct --dtype bfloat16 \
-    [--acceptance-json benchmarks/bench_smollm2.json]
+    [--acceptance-json benchmarks/bench_smollm2.json --acceptance-json benchmarks/bench_smollm2_mtbench.json]
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ def main() -> None:
     parser.add_argument("source", help="drafter folder written by `hf-dflash train`")
     parser.add_argument("destination")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--acceptance-json", default=None, help="benchmark report whose tau/speed-up go in the card")
+    parser.add_argument(
+        "--acceptance-json", action="append", default=[], help="benchmark report whose tau/speed-up go in the card"
+    )
     args = parser.parse_args()
     source, destination = Path(args.source), Path(args.destination)
     draft = DFlashForDrafting.from_pretrained(source).to(getattr(torch, args.dtype))
@@ -32,8 +34,8 @@ def main() -> None:
     verify_saved_draft(draft, destination)
     verify_saved_draft(draft, destination / "zlab")
     info = json.loads((source / TRAINING_INFO_FILE).read_text()) if (source / TRAINING_INFO_FILE).is_file() else {}
-    if args.acceptance_json:
-        info["acceptance"] = {**info.get("acceptance", {}), **acceptance_from_report(Path(args.acceptance_json))}
+    for report in args.acceptance_json:
+        info["acceptance"] = {**info.get("acceptance", {}), **acceptance_from_report(Path(report))}
     (destination / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     for leftover in ("training_args.bin",):
         (destination / leftover).unlink(missing_ok=True)
@@ -55,6 +57,8 @@ def acceptance_from_report(path: Path) -> dict:
         described += ", speculative_generate(verify_costs='auto')"
     acceptance = {}
     for dataset, summary in report["datasets"].items():
+        if dataset == "all":  # the card lists each prompt set
+            continue
         ours = summary["methods"].get("ours", {})
         acceptance[dataset] = {
             "tau": round(summary.get("tau", float("nan")), 2),

@@ -78,6 +78,21 @@ def is_dflash_draft(model: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def token_ids(value: Any) -> list[int]:
+    """`None`, one id or a list of ids (as `eos_token_id` may be) -> a list of ids."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def pad_token_id_of(generation_config: Any) -> int:
+    """The id that pads finished rows and batches: `pad_token_id`, else the first EOS id, else 0."""
+    if generation_config.pad_token_id is not None:
+        return int(generation_config.pad_token_id)
+    eos = token_ids(generation_config.eos_token_id)
+    return eos[0] if eos else 0
+
+
 def check_target_supported(target: Any) -> None:
     """Raise a clear error if `target` is a kind of model DFlash cannot speculate for losslessly."""
     target_name = type(target).__name__
@@ -207,7 +222,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     Each call drafts `min(B - 1, remaining budget - 1)` tokens from one draft forward over
     `[last committed token, MASK x (B-1)]`, with the target hidden states of the tokens committed since the previous
-    call appended to the draft's context cache. Returns the candidates and their (processed) draft logits `q`.
+    call appended to the draft's context cache. Returns the candidates and their (processed) draft logits `q`;
+    a drafter with measured `verify_costs` (greedy decoding) returns only the proposals worth verifying.
     """
 
     requires_model_outputs = True
@@ -256,7 +272,18 @@ class DFlashCandidateGenerator(CandidateGenerator):
         num_draft = min(self.block_size - 1, budget - 1)
         logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden[:, 1 : 1 + num_draft])  # [1, k, V]
         draft_ids, logits = self._select(input_ids, logits)
-        return torch.cat([input_ids, draft_ids], dim=1), logits
+        keep = self._num_worth_verifying(logits)
+        return torch.cat([input_ids, draft_ids[:, :keep]], dim=1), logits[:, :keep] if keep else None
+
+    def _num_worth_verifying(self, logits: torch.Tensor) -> int:
+        """Every proposal, unless decoding is greedy and the drafter carries measured `verify_costs`
+        (`draft.verify_costs = hf_dflash.measure_verify_costs(target, draft)`): then as many as pay for their cost.
+        Sampling keeps them all: with history-dependent processors a later slot's confidence depends on an earlier
+        sampled token, and the choice must not."""
+        costs = getattr(self.draft, "verify_costs", None)
+        if costs is None or self.do_sample:
+            return logits.shape[1]
+        return costs.best_num_draft(logits.float().softmax(-1).amax(-1))  # [1, k] draft confidence per slot
 
     def _draft_block(
         self, input_ids: torch.LongTensor, features: torch.Tensor, attention_mask: torch.Tensor | None

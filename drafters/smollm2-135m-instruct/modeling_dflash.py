@@ -44,7 +44,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import logging
 
 from .configuration_dflash import DFlashConfig, default_target_layer_ids
-from .generation_dflash import check_target_supported, enable_dflash_generate
+from .generation_dflash import check_target_supported, enable_dflash_generate, token_ids
 
 logger = logging.get_logger(__name__)
 
@@ -526,9 +526,9 @@ def choose_mask_token_id(target: PreTrainedModel, tokenizer: Any | None = None) 
     """
     num_rows = target.get_input_embeddings().weight.shape[0]
     text_config = target.config.get_text_config()
-    emitted = set(_as_list(text_config.eos_token_id)) | set(_as_list(text_config.bos_token_id))
+    emitted = set(token_ids(text_config.eos_token_id)) | set(token_ids(text_config.bos_token_id))
     if tokenizer is not None:
-        emitted |= set(_as_list(tokenizer.eos_token_id)) | set(_as_list(tokenizer.bos_token_id))
+        emitted |= set(token_ids(tokenizer.eos_token_id)) | set(token_ids(tokenizer.bos_token_id))
         for token, token_id in sorted(_special_tokens(tokenizer).items(), key=lambda item: item[1]):
             if (
                 token_id not in emitted
@@ -542,7 +542,9 @@ def choose_mask_token_id(target: PreTrainedModel, tokenizer: Any | None = None) 
     if pad is not None and pad not in emitted and 0 <= pad < num_rows:
         return pad
     if tokenizer is not None:
-        emitted |= set(_as_list(tokenizer.pad_token_id)) | set(_as_list(pad)) | set(_as_list(tokenizer.unk_token_id))
+        emitted |= (
+            set(token_ids(tokenizer.pad_token_id)) | set(token_ids(pad)) | set(token_ids(tokenizer.unk_token_id))
+        )
         template = str(getattr(tokenizer, "chat_template", None) or "")
         unused = [
             i for t, i in _special_tokens(tokenizer).items() if i not in emitted and i < num_rows and t not in template
@@ -559,12 +561,6 @@ def _special_tokens(tokenizer: Any) -> dict[str, int]:
     tokens = {str(t.content if hasattr(t, "content") else t): i for i, t in tokenizer.added_tokens_decoder.items()}
     tokens.update(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))
     return tokens
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 __all__ = ["DFlashForDrafting", "DFlashPreTrainedModel", "DFlashLayouts", "choose_mask_token_id"]

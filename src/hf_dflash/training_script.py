@@ -77,7 +77,8 @@ def train_main(argv: list[str] | None = None) -> int:
     after = trainer.measure_real_acceptance()["real_tau"] if prompts else None
     wall_s = time.perf_counter() - start
     trainer.training_info["training"]["wall_time_s"] = round(wall_s)
-    trainer.training_info["acceptance"] = _held_out_acceptance(before, after, len(prompts), args)
+    start_name = "the --init_draft drafter" if script.init_draft else "untrained drafter"
+    trainer.training_info["acceptance"] = _held_out_acceptance(before, after, len(prompts), args, start_name)
     trainer.save_model()
     trainer.create_model_card()
     if args.push_to_hub:
@@ -162,12 +163,14 @@ def _training_info(script: TrainScriptArguments, train_dataset) -> dict:
     }
 
 
-def _held_out_acceptance(before, after, num_prompts: int, args: DFlashTrainingArguments) -> dict:
+def _held_out_acceptance(
+    before, after, num_prompts: int, args: DFlashTrainingArguments, start_name: str = "untrained drafter"
+) -> dict:
     if after is None:
         return {}
     conditions = (
         f"{num_prompts} held-out training-distribution prompts, greedy, {args.real_acceptance_max_new_tokens} new "
-        f"tokens, speculative_generate; untrained drafter: tau {before:.2f}"
+        f"tokens, speculative_generate; {start_name}: tau {before:.2f}"
     )
     return {"held-out": {"tau": round(after, 3), "speedup": None, "conditions": conditions}}
 
