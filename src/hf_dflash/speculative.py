@@ -3,7 +3,8 @@
 One round, for every row at once (B = block size, k <= B - 1 drafted tokens):
 
 1. draft:  one drafter forward over `[bonus, MASK x (B-1)]`, conditioned on the target hidden states of the tokens
-           committed since the last round; keep `k` proposals (argmax, or samples from the draft distribution `q`);
+           committed since the last round; keep `k` proposals (argmax, or samples from the draft distribution `q`):
+           all B - 1, or with `verify_costs` only those worth their measured verify cost (`verify_policy`);
 2. verify: one target forward over `[bonus, d_1 .. d_k]`;
 3. accept: greedy keeps the longest prefix where `d_i == argmax p_i`; sampling applies Leviathan et al.'s Algorithm 1
            (accept `d_i` with probability `min(1, p_i(d_i) / q_i(d_i))`, on rejection sample `norm(max(0, p_i - q_i))`);
