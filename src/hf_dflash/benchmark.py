@@ -112,11 +112,12 @@ def _native(target, draft, input_ids, attention_mask, **kwargs):
 
 
 def _assisted(target, draft, input_ids, attention_mask, verify_costs: str | None = None, **kwargs):
+    own = getattr(draft, "verify_costs", None)  # the caller's, restored after the run
     draft.verify_costs = cached_verify_costs(target, draft, 1) if verify_costs == "auto" else None  # greedy only
     try:
         out = target.generate(input_ids=input_ids, attention_mask=attention_mask, assistant_model=draft, **kwargs)
     finally:
-        draft.verify_costs = None
+        draft.verify_costs = own
     return out, None
 
 
@@ -409,9 +410,10 @@ def run_benchmark(
             draft,
             prompts,
             config.batch_sizes,
-            generation_kwargs | {"verify_costs": config.verify_costs},
+            generation_kwargs,
             config.repeats,
             config.progress,
+            config.verify_costs,
         )
     return report
 
@@ -611,13 +613,13 @@ def measure_batch_throughput(
     generation_kwargs: dict[str, Any],
     repeats: int = 1,
     progress: bool = True,
+    verify_costs: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Tokens/s of batched `target.generate` vs batched `speculative_generate` on left-padded batches of the first
-    prompts (reused cyclically when there are fewer prompts than the batch size). A `verify_costs` entry of
-    `generation_kwargs` goes to `speculative_generate` only; `"auto"` costs are measured in its untimed warm-up."""
+    """Tokens/s of batched `target.generate` vs batched `speculative_generate(..., verify_costs=verify_costs)` on
+    left-padded batches of the first prompts (reused cyclically when there are fewer prompts than the batch size);
+    `"auto"` costs are measured in the untimed warm-up."""
     device = target.device
-    generation_kwargs = dict(generation_kwargs)
-    ours_kwargs = {"verify_costs": generation_kwargs.pop("verify_costs", None)}
+    ours_kwargs = {"verify_costs": verify_costs}
     pad = generation_kwargs.get("pad_token_id")
     pad = 0 if pad is None else pad
     eos = target.generation_config.eos_token_id

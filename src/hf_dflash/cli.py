@@ -119,6 +119,7 @@ def run_demo(args: argparse.Namespace) -> int:
     inputs = tokenizer(text, return_tensors="pt")
     budget = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     costs = cached_verify_costs(target, draft, batch_size=1)  # measured once, before any timing
+    draft.verify_costs = costs  # `generate(assistant_model=draft)` verifies by the same costs (greedy)
     print(f"target forward over 1..{len(costs.verify)} tokens costs {costs.relative()} x one token")
 
     with torch.no_grad():
@@ -141,8 +142,10 @@ def run_demo(args: argparse.Namespace) -> int:
     ]
     for name, seconds in rows:
         print(f"{name:34s} {new_tokens / seconds:7.1f} tokens/s   {seconds:6.2f} s")
-    verified = ours.stats.verified_drafts / max(ours.stats.num_rounds, 1)
-    print(f"tau (tokens per target forward): {ours.stats.tau:.2f}, {verified:.2f} proposals verified per round")
+    print(
+        f"tau (tokens per target forward): {ours.stats.tau:.2f}, "
+        f"{ours.stats.verified_drafts_per_round:.2f} proposals verified per round"
+    )
     print(f"identical output on all three paths: {identical}")
     summary = {"new_tokens": new_tokens, "identical": identical, "tau": ours.stats.tau}
     summary |= {name: round(new_tokens / seconds, 2) for name, seconds in rows}

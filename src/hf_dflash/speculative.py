@@ -77,6 +77,11 @@ class SpeculativeStats:
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
 
     @property
+    def verified_drafts_per_round(self) -> float:
+        """Proposals the target checked per round (B - 1 unless `verify_costs` cut them or the budget ran out)."""
+        return self.verified_drafts / max(self.num_rounds, 1)
+
+    @property
     def histogram(self) -> list[int]:
         """`histogram[t]` = how many (row, round) pairs committed `t` tokens, for t = 0..B."""
         counts = Counter(self.acceptance_lengths)
@@ -103,7 +108,7 @@ class SpeculativeStats:
             "prefill_time_s": self.prefill_time_s,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
-            "verified_drafts_per_round": self.verified_drafts / max(self.num_rounds, 1),
+            "verified_drafts_per_round": self.verified_drafts_per_round,
         }
 
 
@@ -291,9 +296,9 @@ class _SpeculativeLoop:
         remaining = max(self.max_new_tokens - len(g) for g, d in zip(self.generated, self.done.tolist()) if not d)
         num_draft = max(min(self.block_size - 1, remaining - 1), 0)
         start = time.perf_counter()
-        draft_ids, q, confidence = self._draft(bonus, num_draft)  # [b, k], [b, k, V] or None, [b, k]
-        if self.verify_costs is not None and num_draft > 0:  # keep only the proposals worth their verify cost
-            num_draft = self.verify_costs.best_num_draft(confidence[~self.done] if self.done.any() else confidence)
+        draft_ids, q, confidence = self._draft(bonus, num_draft)  # [b, k], [b, k, V] or None, [b, k] or None
+        if confidence is not None:  # keep only the proposals worth their verify cost, judged on unfinished rows
+            num_draft = self.verify_costs.best_num_draft(confidence[~self.done])
             draft_ids, q = draft_ids[:, :num_draft], None if q is None else q[:, :num_draft]
         self.stats.verified_drafts += num_draft
         verify_start = time.perf_counter()
@@ -311,12 +316,12 @@ class _SpeculativeLoop:
 
     def _draft(
         self, bonus: torch.LongTensor, num_draft: int
-    ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
-        """`k` proposals `[b, k]`, their distributions `q` `[b, k, V]` (sampling only) and the draft's
-        probability of its own most likely token at each slot `[b, k]` (which decides how many to verify)."""
+    ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor | None]:
+        """`k` proposals `[b, k]`, their distributions `q` `[b, k, V]` (sampling only) and, with `verify_costs`,
+        the draft's probability of its own most likely token at each slot `[b, k]` (which decides how many to verify)."""
         batch = bonus.shape[0]
         if num_draft == 0:
-            return bonus.new_zeros(batch, 0), None, bonus.new_zeros(batch, 0).float()
+            return bonus.new_zeros(batch, 0), None, None
         block_positions = self.next_position[:, None] + torch.arange(self.block_size, device=bonus.device)
         out = self.draft(
             noise_embeds=self.embed_tokens(noise_block(bonus[:, None], self.block_size, self.mask_token_id)),
@@ -330,13 +335,16 @@ class _SpeculativeLoop:
         self.draft_cache.crop(-self.block_size)  # keep context K/V only
         self.draft_key_mask = torch.cat([self.draft_key_mask, self.context_mask], dim=1)
         hidden = out.last_hidden_state[:, 1 : 1 + num_draft]
+        costed = self.verify_costs is not None
         if not self.do_sample:  # argmax over the draft vocabulary, mapped to target ids
-            confidence, best = self.draft.draft_logits(hidden, self.lm_head).float().softmax(-1).max(-1)
-            return self.draft.to_target_ids(best), None, confidence
+            logits = self.draft.draft_logits(hidden, self.lm_head)  # [b, k, V_d]
+            confidence = logits.float().softmax(-1).amax(-1) if costed else None
+            return self.draft.to_target_ids(logits.argmax(-1)), None, confidence
         logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden)  # [b, k, V]
         q = warp_logits(logits, bonus[:, None], self.warpers).softmax(-1)
         # confidence from q alone, before sampling: how many to verify must not depend on the sampled tokens
-        return torch.multinomial(q.flatten(0, 1), 1).view(batch, num_draft), q, q.max(-1).values
+        confidence = q.amax(-1) if costed else None
+        return torch.multinomial(q.flatten(0, 1), 1).view(batch, num_draft), q, confidence
 
     def _accept(
         self, draft_ids: torch.LongTensor, q: torch.Tensor | None, target_logits: torch.Tensor

@@ -163,9 +163,7 @@ def _training_info(script: TrainScriptArguments, train_dataset) -> dict:
     }
 
 
-def _held_out_acceptance(
-    before, after, num_prompts: int, args: DFlashTrainingArguments, start_name: str = "untrained drafter"
-) -> dict:
+def _held_out_acceptance(before, after, num_prompts: int, args: DFlashTrainingArguments, start_name: str) -> dict:
     if after is None:
         return {}
     conditions = (

@@ -71,7 +71,7 @@ def measure_verify_costs(
     """Time target forwards over 1 .. B new tokens after a `context_length` cache, and one draft forward.
 
     Sizes are interleaved over `repeats` passes and the median kept, so a busy moment hits all sizes alike.
-    The result is cached per target, block size, batch size, device and dtype (`cached_verify_costs`).
+    `cached_verify_costs` measures once per target and setting and then answers from memory.
     """
     device = target.device
     block_size = draft.config.block_size
