@@ -22,6 +22,7 @@ TRAINING = {
     "learning_rate": 6e-4,
     "max_length": 3072,
     "machine": "8x H200",
+    "held_out_tau_by_step": [[500, 3.1234], [1000, 3.5]],
 }
 
 
@@ -89,6 +90,7 @@ def test_body_has_snippets_training_and_measured_numbers():
         "3072",
         "8x H200",
         "nvidia/Nemotron-Post-Training-Dataset-v2, theblackcat102/evol-codealpaca-v1",
+        "| Held-out tau during training | step 500: 3.12, step 1000: 3.50 |",
     ):
         assert value in training, value
     acceptance = section(text, "Acceptance length")

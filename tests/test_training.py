@@ -339,6 +339,12 @@ def test_checkpoints_hold_the_draft_only_and_reload_identically(tmp_path):
     info = json.loads((checkpoint / "training_info.json").read_text())
     assert info["training"]["block_size"] == 8 and info["training"]["steps"] == 3
     assert info["base_model"] == "org/tiny-qwen3"
+    logged_tau = [entry["real_tau"] for entry in trainer.state.log_history if "real_tau" in entry]
+    assert info["training"]["held_out_tau_by_step"] == [[3, round(logged_tau[0], 3)]]
+    from hf_dflash.model_card import card_info_from_folder, render_model_card
+
+    card = render_model_card(card_info_from_folder(checkpoint)).text  # no "unknown key" left behind
+    assert f"| Held-out tau during training | step 3: {logged_tau[0]:.2f} |" in card
 
 
 def test_push_to_hub_uploads_the_drafter_with_its_model_card(tmp_path, monkeypatch):

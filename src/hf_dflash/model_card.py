@@ -48,6 +48,7 @@ TRAINING_LABELS = {
     "wall_time": "Wall time",
     "wall_time_s": "Wall time",
     "machine": "Machine",
+    "held_out_tau_by_step": "Held-out tau during training",
 }
 
 
@@ -57,7 +58,8 @@ class DrafterCardInfo:
 
     `training` keys (all optional): `data` (list of sources), `num_sequences`, `chat_template` (bool),
     `max_length`, `anchors_per_sequence`, `gamma` (loss decay), `steps`, `epochs`, `batch_size`, `learning_rate`,
-    `wall_time` (text) or `wall_time_s` (seconds), `machine`; other keys are listed under their own name.
+    `wall_time` (text) or `wall_time_s` (seconds), `machine`, `held_out_tau_by_step` (`[[step, tau], ...]`, what
+    the trainer measured on held-out prompts while training); other keys are listed under their own name.
     `acceptance` maps a dataset name to `{"tau": float, "speedup": float | None, "conditions": str}`.
     """
 
@@ -196,7 +198,11 @@ def _training_rows(info: DrafterCardInfo) -> list[tuple[str, str]]:
         if value is None:
             continue
         label = TRAINING_LABELS.get(key, key.replace("_", " ").capitalize())
-        rows.append((label, _cell(_format_duration(value) if key == "wall_time_s" else value)))
+        if key == "wall_time_s":
+            value = _format_duration(value)
+        elif key == "held_out_tau_by_step":
+            value = ", ".join(f"step {step}: {float(tau):.2f}" for step, tau in value)
+        rows.append((label, _cell(value)))
     return rows
 
 

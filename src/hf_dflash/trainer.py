@@ -536,8 +536,9 @@ class RealAcceptanceCallback(TrainerCallback):
 
     def _measure(self) -> None:
         metrics = self.trainer.measure_real_acceptance()
-        self.trainer.training_info.setdefault("real_tau_history", []).append(
-            [self.trainer.state.global_step, metrics["real_tau"]]
+        training = self.trainer.training_info.setdefault("training", {})
+        training.setdefault("held_out_tau_by_step", []).append(
+            [self.trainer.state.global_step, round(metrics["real_tau"], 3)]
         )
         self.trainer.log(metrics)
 
