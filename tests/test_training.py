@@ -23,6 +23,7 @@ from hf_dflash.collator import (
     flex_mask_mod,
     simulated_acceptance_length,
 )
+from hf_dflash.model_card import card_info_from_folder, render_model_card
 from hf_dflash.trainer import (
     DFlashTrainer,
     DFlashTrainingArguments,
@@ -341,8 +342,6 @@ def test_checkpoints_hold_the_draft_only_and_reload_identically(tmp_path):
     assert info["base_model"] == "org/tiny-qwen3"
     logged_tau = [entry["real_tau"] for entry in trainer.state.log_history if "real_tau" in entry]
     assert info["training"]["held_out_tau_by_step"] == [[3, round(logged_tau[0], 3)]]
-    from hf_dflash.model_card import card_info_from_folder, render_model_card
-
     card = render_model_card(card_info_from_folder(checkpoint)).text  # no "unknown key" left behind
     assert f"| Held-out tau during training | step 3: {logged_tau[0]:.2f} |" in card
 
