@@ -23,6 +23,9 @@ TRAINING = {
     "max_length": 3072,
     "machine": "8x H200",
     "held_out_tau_by_step": [[500, 3.1234], [1000, 3.5]],
+    "block_size": 16,  # the trainer repeats these config facts; the table shows them once
+    "num_draft_layers": 5,
+    "target_layer_ids": [1, 9, 17, 25, 33],
 }
 
 
@@ -93,6 +96,9 @@ def test_body_has_snippets_training_and_measured_numbers():
         "| Held-out tau during training | step 500: 3.12, step 1000: 3.50 |",
     ):
         assert value in training, value
+    for label in ("Block size", "Draft layers", "Target layers read"):
+        assert training.count(f"| {label} |") == 1, label
+    assert "Num draft layers" not in training and "Target layer ids" not in training
     acceptance = section(text, "Acceptance length")
     assert "| gsm8k | 6.54 | 5.21x | H200, bf16, greedy, batch 1 |" in acceptance
     assert "| mt-bench | 4.24 | not measured |" in acceptance

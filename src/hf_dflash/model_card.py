@@ -50,6 +50,8 @@ TRAINING_LABELS = {
     "machine": "Machine",
     "held_out_tau_by_step": "Held-out tau during training",
 }
+# `training` keys the trainer also writes that the table already shows from config.json.
+CONFIG_TRAINING_KEYS = {"block_size", "num_draft_layers", "target_layer_ids"}
 
 
 @dataclass
@@ -195,7 +197,7 @@ def _training_rows(info: DrafterCardInfo) -> list[tuple[str, str]]:
     keys = sorted(info.training, key=lambda k: order.index(k) if k in order else len(order))
     for key in keys:
         value = info.training[key]
-        if value is None:
+        if value is None or key in CONFIG_TRAINING_KEYS:
             continue
         label = TRAINING_LABELS.get(key, key.replace("_", " ").capitalize())
         if key == "wall_time_s":
