@@ -318,15 +318,20 @@ def test_checkpoints_hold_the_draft_only_and_reload_identically(tmp_path):
     args = _args(
         tmp_path, max_steps=3, save_strategy="steps", save_steps=3, save_zlab_layout=True, real_acceptance_steps=3
     )
+    given_info = {"base_model": "org/tiny-qwen3", "training": {"data": "regenerated"}}
     trainer = DFlashTrainer(
         model=draft,
         target=target,
         args=args,
         train_dataset=Dataset.from_list(records),
         acceptance_prompts=prompts,
-        training_info={"base_model": "org/tiny-qwen3", "training": {"data": "regenerated"}},
+        training_info=given_info,
     )
     trainer.train()
+    assert given_info == {
+        "base_model": "org/tiny-qwen3",
+        "training": {"data": "regenerated"},
+    }  # the caller's, unchanged
     assert any("real_tau" in entry for entry in trainer.state.log_history)
     checkpoint = tmp_path / "out" / "checkpoint-3"
     from safetensors.torch import load_file
@@ -425,7 +430,7 @@ def _saved_target_and_data(tmp_path: Path):
     return target, records, data
 
 
-def test_train_command_trains_saves_and_cards_a_drafter(tmp_path):
+def test_train_command_trains_saves_and_cards_a_drafter(tmp_path, monkeypatch):
     from hf_dflash.cli import main
 
     target, records, data = _saved_target_and_data(tmp_path)
@@ -433,12 +438,20 @@ def test_train_command_trains_saves_and_cards_a_drafter(tmp_path):
     argv = ["train", "--data", str(data), "--target", str(tmp_path / "target"), "--output_dir", str(out)]
     argv += ["--max_steps", "2", "--block_size", "4", "--mask_token_id", str(PAD), "--acceptance_holdout", "2"]
     argv += ["--report_to", "none", "--use_cpu", "true", "--save_strategy", "no", "--disable_tqdm", "true"]
+    argv += ["--real_acceptance_steps", "2"]
+    measured = []
+    measure = DFlashTrainer.measure_real_acceptance
+    monkeypatch.setattr(
+        DFlashTrainer, "measure_real_acceptance", lambda self, *a, **k: measured.append(1) or measure(self, *a, **k)
+    )
     assert main(argv) == 0
+    assert len(measured) == 2  # before training, and once at the last step (reused as the "after" value)
     draft = DFlashForDrafting.from_pretrained(out)
     assert draft.config.block_size == 4 and draft.config.mask_token_id == PAD
     info = json.loads((out / "training_info.json").read_text())
     assert info["training"]["num_sequences"] == 4 and info["training"]["steps"] == 2
     assert "held-out" in info["acceptance"]
+    assert info["acceptance"]["held-out"]["tau"] == info["training"]["held_out_tau_by_step"][-1][1]
     card = (out / "README.md").read_text()
     assert "speculative-decoding" in card and "--speculative-num-draft-tokens 4" in card
 

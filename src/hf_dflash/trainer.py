@@ -17,6 +17,7 @@ embedding and LM head. Checkpoints hold the draft only and are reloaded and comp
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -311,7 +312,7 @@ class DFlashTrainer(Trainer):
         self.embed_tokens = self.target.get_input_embeddings()
         self.lm_head = self.target.get_output_embeddings()
         self.acceptance_prompts = acceptance_prompts or []
-        self.training_info = dict(training_info or {})
+        self.training_info = copy.deepcopy(training_info or {})  # the real-tau callback appends to nested lists
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(int), "eval": defaultdict(int)}
         self.add_callback(_EpochAnchorsCallback(data_collator))
         if args.real_acceptance_steps and self.acceptance_prompts:

@@ -74,7 +74,7 @@ def train_main(argv: list[str] | None = None) -> int:
     )
     before = trainer.measure_real_acceptance()["real_tau"] if prompts else None
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    after = trainer.measure_real_acceptance()["real_tau"] if prompts else None
+    after = _final_held_out_tau(trainer) if prompts else None
     wall_s = time.perf_counter() - start
     trainer.training_info["training"]["wall_time_s"] = round(wall_s)
     start_name = "the --init_draft drafter" if script.init_draft else "untrained drafter"
@@ -161,6 +161,15 @@ def _training_info(script: TrainScriptArguments, train_dataset) -> dict:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
         },
     }
+
+
+def _final_held_out_tau(trainer: DFlashTrainer) -> float:
+    """The held-out tau after training: the `RealAcceptanceCallback` already measured it at the last step when it
+    ran (`held_out_tau_by_step`), else it is measured now."""
+    history = trainer.training_info["training"].get("held_out_tau_by_step")
+    if history and history[-1][0] == trainer.state.global_step:
+        return history[-1][1]
+    return trainer.measure_real_acceptance()["real_tau"]
 
 
 def _held_out_acceptance(before, after, num_prompts: int, args: DFlashTrainingArguments, start_name: str) -> dict:
