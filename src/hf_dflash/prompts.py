@@ -24,6 +24,10 @@ from transformers import PreTrainedTokenizerBase
 
 logger = transformers.utils.logging.get_logger(__name__)
 
+# What HumanEval prompts ask before the function's signature and docstring.
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
+)
 # ShareGPT first turns longer than this are skipped (about 500 tokens; the median first turn is 144 chars).
 SHAREGPT_MAX_CHARS = 2000
 
@@ -181,10 +185,7 @@ def _read_gsm8k(path: Path) -> Iterator[tuple[str, str]]:
 def _read_humaneval(path: Path) -> Iterator[tuple[str, str]]:
     """HumanEval: ask to complete the function whose signature and docstring are given."""
     for record in _read_jsonl(path):
-        content = (
-            "Complete the following Python function. Reply with the whole function in a Python code block.\n\n"
-            f"```python\n{record['prompt'].rstrip()}\n```"
-        )
+        content = f"{HUMANEVAL_INSTRUCTION}```python\n{record['prompt'].rstrip()}\n```"
         yield record["task_id"].split("/")[-1], content
 
 

@@ -1,0 +1,64 @@
+"""Tests for the recipe's prompt scripts (``scripts/``): what they write is what the README says they write."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from hf_dflash import data
+from hf_dflash.prompts import HUMANEVAL_INSTRUCTION
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+shaped_prompts = _load_script("shaped_prompts")
+
+
+def test_word_problems_fill_every_template_and_depend_only_on_the_seed():
+    count = 2 * len(shaped_prompts.WORD_PROBLEM_TEMPLATES)
+    problems = shaped_prompts.word_problems(count, seed=3)
+    texts = [p.messages[0]["content"] for p in problems]
+
+    assert texts == [p.messages[0]["content"] for p in shaped_prompts.word_problems(count, seed=3)]
+    assert texts != [p.messages[0]["content"] for p in shaped_prompts.word_problems(count, seed=4)]
+    assert not [t for t in texts if re.search(r"[{}]", t)]  # no placeholder left unfilled
+    # Every template is used: each problem starts like its template up to the first placeholder.
+    for template, text in zip(shaped_prompts.WORD_PROBLEM_TEMPLATES, texts):
+        assert text.startswith(template.split("{")[0])
+    assert len({p.id for p in problems}) == count
+
+
+def test_function_prompts_are_signature_and_docstring_after_the_humaneval_instruction():
+    prompts = shaped_prompts.stdlib_functions(60, seed=0)
+
+    assert len(prompts) == 60 and len({p.id for p in prompts}) == 60
+    for prompt in prompts:
+        content = prompt.messages[0]["content"]
+        assert content.startswith(HUMANEVAL_INSTRUCTION + "```python\n") and content.endswith("\n```")
+        (function,) = ast.parse(content[len(HUMANEVAL_INSTRUCTION) + len("```python\n") : -len("\n```")]).body
+        assert isinstance(function, ast.FunctionDef) and not function.name.startswith("_")
+        # The body is the docstring alone: the target writes the rest.
+        (docstring,) = function.body
+        assert isinstance(docstring, ast.Expr) and isinstance(docstring.value.value, str)
+
+
+@pytest.mark.skipif(not data.evaluation_prompts(), reason="benchmark prompt sets not installed")
+def test_shaped_prompts_hold_no_benchmark_item(tmp_path):
+    path = tmp_path / "shaped.jsonl"
+    prompts = shaped_prompts.stdlib_functions(200, seed=0) + shaped_prompts.word_problems(200, seed=0)
+    data.write_prompts_jsonl(prompts, path)
+
+    kept = data.training_prompts([str(path)], limit_per_source=len(prompts))
+
+    assert {p.id for p in kept} == {p.id for p in prompts}
