@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import itertools
 import random
 import sysconfig
@@ -64,13 +65,7 @@ WORD_PROBLEM_TEMPLATES = [
 
 def stdlib_functions(limit: int, seed: int) -> list[Prompt]:
     """Public top-level standard-library functions with a docstring, as signature + docstring to complete."""
-    stubs = {}
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(stdlib.rglob("*.py")):
-        if SKIPPED_STDLIB_DIRS & set(path.relative_to(stdlib).parts):
-            continue
-        for stub in _function_stubs(path):
-            stubs.setdefault(stub, f"stdlib/{path.relative_to(stdlib).with_suffix('')}")
+    stubs = _stdlib_stubs()
     chosen = random.Random(seed).sample(sorted(stubs), min(limit, len(stubs)))
     return [
         Prompt(
@@ -80,6 +75,20 @@ def stdlib_functions(limit: int, seed: int) -> list[Prompt]:
         )
         for index, stub in enumerate(chosen)
     ]
+
+
+@functools.cache
+def _stdlib_stubs() -> dict[str, str]:
+    """Every usable stub of this interpreter's standard library -> ``"stdlib/<module path>"`` (parsed once)."""
+    stubs = {}
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.rglob("*.py")):
+        relative = path.relative_to(stdlib)
+        if SKIPPED_STDLIB_DIRS & set(relative.parts):
+            continue
+        for stub in _function_stubs(path):
+            stubs.setdefault(stub, f"stdlib/{relative.with_suffix('')}")
+    return stubs
 
 
 def _function_stubs(path: Path) -> list[str]:

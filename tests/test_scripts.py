@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_dflash import data
-from hf_dflash.prompts import HUMANEVAL_INSTRUCTION
+from hf_dflash.prompts import HUMANEVAL_INSTRUCTION, prompt_set_path
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -53,8 +53,12 @@ def test_function_prompts_are_signature_and_docstring_after_the_humaneval_instru
         assert isinstance(docstring, ast.Expr) and isinstance(docstring.value.value, str)
 
 
-@pytest.mark.skipif(not data.evaluation_prompts(), reason="benchmark prompt sets not installed")
 def test_shaped_prompts_hold_no_benchmark_item(tmp_path):
+    for name in data.EVALUATION_SETS:
+        try:
+            prompt_set_path(name)
+        except (ModuleNotFoundError, FileNotFoundError) as error:
+            pytest.skip(str(error))
     path = tmp_path / "shaped.jsonl"
     prompts = shaped_prompts.stdlib_functions(200, seed=0) + shaped_prompts.word_problems(200, seed=0)
     data.write_prompts_jsonl(prompts, path)
