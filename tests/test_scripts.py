@@ -25,18 +25,27 @@ def _load_script(name: str):
 shaped_prompts = _load_script("shaped_prompts")
 
 
-def test_word_problems_fill_every_template_and_depend_only_on_the_seed():
-    count = 2 * len(shaped_prompts.WORD_PROBLEM_TEMPLATES)
-    problems = shaped_prompts.word_problems(count, seed=3)
+@pytest.mark.parametrize(
+    "make, templates",
+    [
+        (shaped_prompts.word_problems, shaped_prompts.WORD_PROBLEM_TEMPLATES),
+        (shaped_prompts.multi_step_problems, shaped_prompts.MULTI_STEP_TEMPLATES),
+    ],
+)
+def test_word_problems_fill_every_template_and_depend_only_on_the_seed(make, templates):
+    count = 2 * len(templates)
+    problems = make(count, seed=3)
     texts = [p.messages[0]["content"] for p in problems]
 
-    assert texts == [p.messages[0]["content"] for p in shaped_prompts.word_problems(count, seed=3)]
-    assert texts != [p.messages[0]["content"] for p in shaped_prompts.word_problems(count, seed=4)]
+    assert texts == [p.messages[0]["content"] for p in make(count, seed=3)]
+    assert texts != [p.messages[0]["content"] for p in make(count, seed=4)]
     assert not [t for t in texts if re.search(r"[{}]", t)]  # no placeholder left unfilled
     # Every template is used: each problem starts like its template up to the first placeholder.
-    for template, text in zip(shaped_prompts.WORD_PROBLEM_TEMPLATES, texts):
+    for template, text in zip(templates, texts):
         assert text.startswith(template.split("{")[0])
     assert len({p.id for p in problems}) == count
+    # Ids carry the seed, so two seeds' files can feed one data file (which skips ids it already holds).
+    assert not {p.id for p in problems} & {p.id for p in make(count, seed=4)}
 
 
 def test_function_prompts_are_signature_and_docstring_after_the_humaneval_instruction():
@@ -53,6 +62,16 @@ def test_function_prompts_are_signature_and_docstring_after_the_humaneval_instru
         assert isinstance(docstring, ast.Expr) and isinstance(docstring.value.value, str)
 
 
+def test_excluded_functions_are_not_chosen_again():
+    first = shaped_prompts.stdlib_functions(300, seed=0)
+    used = frozenset(p.messages[0]["content"] for p in first)
+
+    rest = shaped_prompts.stdlib_functions(10_000, seed=1, exclude=used)
+
+    assert not used & {p.messages[0]["content"] for p in rest}
+    assert len(rest) == len(shaped_prompts.stdlib_functions(10_000, seed=1)) - 300
+
+
 def test_shaped_prompts_hold_no_benchmark_item(tmp_path):
     for name in data.EVALUATION_SETS:
         try:
@@ -60,7 +79,11 @@ def test_shaped_prompts_hold_no_benchmark_item(tmp_path):
         except (ModuleNotFoundError, FileNotFoundError) as error:
             pytest.skip(str(error))
     path = tmp_path / "shaped.jsonl"
-    prompts = shaped_prompts.stdlib_functions(200, seed=0) + shaped_prompts.word_problems(200, seed=0)
+    prompts = (
+        shaped_prompts.stdlib_functions(200, seed=0)
+        + shaped_prompts.word_problems(200, seed=0)
+        + shaped_prompts.multi_step_problems(200, seed=0)
+    )
     data.write_prompts_jsonl(prompts, path)
 
     kept = data.training_prompts([str(path)], limit_per_source=len(prompts))
