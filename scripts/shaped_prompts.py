@@ -28,9 +28,10 @@ import functools
 import itertools
 import random
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
-from hf_dflash.data import prompts_from_jsonl, write_prompts_jsonl
+from hf_dflash.data import normalize_text, prompt_text, prompts_from_jsonl, write_prompts_jsonl
 from hf_dflash.prompts import HUMANEVAL_INSTRUCTION, Prompt
 
 # Standard-library folders that hold tests, demos or GUI code rather than self-contained functions.
@@ -120,10 +121,13 @@ MULTI_STEP_TEMPLATES = [
 FRACTIONS = ["half", "a third", "a quarter", "two thirds", "three quarters"]
 
 
-def stdlib_functions(limit: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[Prompt]:
+def stdlib_functions(limit: int, seed: int, exclude: Iterable[Prompt] = ()) -> list[Prompt]:
     """Public top-level standard-library functions with a docstring, as signature + docstring to complete;
-    stubs whose prompt text is in ``exclude`` are not used."""
-    stubs = {stub: path for stub, path in _stdlib_stubs().items() if _function_prompt(stub) not in exclude}
+    a stub whose prompt has the text of one in ``exclude`` is not used."""
+    taken = {compared_text(prompt) for prompt in exclude}
+    stubs = {
+        stub: path for stub, path in _stdlib_stubs().items() if normalize_text(_function_prompt(stub)) not in taken
+    }
     chosen = random.Random(seed).sample(sorted(stubs), min(limit, len(stubs)))
     return [
         Prompt(
@@ -137,6 +141,11 @@ def stdlib_functions(limit: int, seed: int, exclude: frozenset[str] = frozenset(
 
 def _function_prompt(stub: str) -> str:
     return f"{HUMANEVAL_INSTRUCTION}```python\n{stub}\n```"
+
+
+def compared_text(prompt: Prompt) -> str:
+    """A prompt's text in the form `hf_dflash.data` compares prompts in (repeats, benchmark items)."""
+    return normalize_text(prompt_text(prompt))
 
 
 @functools.cache
@@ -216,10 +225,11 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
 
-    exclude = frozenset(p.messages[0]["content"] for path in args.exclude for p in prompts_from_jsonl(path))
-    functions = stdlib_functions(args.functions, args.seed, exclude)
+    excluded = [prompt for path in args.exclude for prompt in prompts_from_jsonl(path)]
+    functions = stdlib_functions(args.functions, args.seed, excluded)
     problems = word_problems(args.word_problems, args.seed) + multi_step_problems(args.multi_step_problems, args.seed)
-    problems = [p for p in problems if p.messages[0]["content"] not in exclude]
+    taken = {compared_text(prompt) for prompt in excluded}
+    problems = [problem for problem in problems if compared_text(problem) not in taken]
     # Interleaved, so that a partial data run still covers both shapes.
     prompts = [p for pair in itertools.zip_longest(functions, problems) for p in pair if p is not None]
     write_prompts_jsonl(prompts, args.output)
