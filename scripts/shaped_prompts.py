@@ -28,10 +28,10 @@ import functools
 import itertools
 import random
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Collection
 from pathlib import Path
 
-from hf_dflash.data import normalize_text, prompt_text, prompts_from_jsonl, write_prompts_jsonl
+from hf_dflash.data import comparable_text, normalize_text, prompts_from_jsonl, write_prompts_jsonl
 from hf_dflash.prompts import HUMANEVAL_INSTRUCTION, Prompt
 
 # Standard-library folders that hold tests, demos or GUI code rather than self-contained functions.
@@ -121,10 +121,9 @@ MULTI_STEP_TEMPLATES = [
 FRACTIONS = ["half", "a third", "a quarter", "two thirds", "three quarters"]
 
 
-def stdlib_functions(limit: int, seed: int, exclude: Iterable[Prompt] = ()) -> list[Prompt]:
+def stdlib_functions(limit: int, seed: int, taken: Collection[str] = frozenset()) -> list[Prompt]:
     """Public top-level standard-library functions with a docstring, as signature + docstring to complete;
-    a stub whose prompt has the text of one in ``exclude`` is not used."""
-    taken = {compared_text(prompt) for prompt in exclude}
+    a stub whose prompt's `comparable_text` is in ``taken`` is not used."""
     stubs = {
         stub: path for stub, path in _stdlib_stubs().items() if normalize_text(_function_prompt(stub)) not in taken
     }
@@ -141,11 +140,6 @@ def stdlib_functions(limit: int, seed: int, exclude: Iterable[Prompt] = ()) -> l
 
 def _function_prompt(stub: str) -> str:
     return f"{HUMANEVAL_INSTRUCTION}```python\n{stub}\n```"
-
-
-def compared_text(prompt: Prompt) -> str:
-    """A prompt's text in the form `hf_dflash.data` compares prompts in (repeats, benchmark items)."""
-    return normalize_text(prompt_text(prompt))
 
 
 @functools.cache
@@ -225,11 +219,10 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
 
-    excluded = [prompt for path in args.exclude for prompt in prompts_from_jsonl(path)]
-    functions = stdlib_functions(args.functions, args.seed, excluded)
+    taken = {comparable_text(prompt) for path in args.exclude for prompt in prompts_from_jsonl(path)}
+    functions = stdlib_functions(args.functions, args.seed, taken)
     problems = word_problems(args.word_problems, args.seed) + multi_step_problems(args.multi_step_problems, args.seed)
-    taken = {compared_text(prompt) for prompt in excluded}
-    problems = [problem for problem in problems if compared_text(problem) not in taken]
+    problems = [problem for problem in problems if comparable_text(problem) not in taken]
     # Interleaved, so that a partial data run still covers both shapes.
     prompts = [p for pair in itertools.zip_longest(functions, problems) for p in pair if p is not None]
     write_prompts_jsonl(prompts, args.output)

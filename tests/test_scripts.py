@@ -66,7 +66,7 @@ def test_excluded_functions_are_not_chosen_again():
     first = shaped_prompts.stdlib_functions(300, seed=0)
     used = {p.messages[0]["content"] for p in first}
 
-    rest = shaped_prompts.stdlib_functions(10_000, seed=1, exclude=first)
+    rest = shaped_prompts.stdlib_functions(10_000, seed=1, taken={data.comparable_text(p) for p in first})
 
     assert not used & {p.messages[0]["content"] for p in rest}
     assert len(rest) == len(shaped_prompts.stdlib_functions(10_000, seed=1)) - 300

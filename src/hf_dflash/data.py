@@ -190,6 +190,11 @@ def prompt_text(prompt: Prompt) -> str:
     return "\n".join(message["content"] for message in prompt.messages if message["role"] == "user")
 
 
+def comparable_text(prompt: Prompt) -> str:
+    """A prompt's user text, normalised: the key repeats and evaluation items are recognised by."""
+    return normalize_text(prompt_text(prompt))
+
+
 class EvaluationFilter:
     """Tells whether a prompt's normalised text equals or contains one of the evaluation prompts'.
 
@@ -202,13 +207,13 @@ class EvaluationFilter:
         self.exact: set[str] = set()
         self.by_prefix: dict[str, list[str]] = {}
         for prompt in evaluation_prompts:
-            text = normalize_text(prompt_text(prompt))
+            text = comparable_text(prompt)
             self.exact.add(text)
             if len(text) >= CONTAINS_MIN_CHARS:
                 self.by_prefix.setdefault(text[:CONTAINS_MIN_CHARS], []).append(text)
 
     def __contains__(self, prompt: Prompt) -> bool:
-        text = normalize_text(prompt_text(prompt))
+        text = comparable_text(prompt)
         if text in self.exact:
             return True
         for start in range(len(text) - CONTAINS_MIN_CHARS + 1):
@@ -262,7 +267,7 @@ def training_prompts(
         loaded = _load_source(source, limit_per_source, target, tokenizer, seed, batch_size, synthetic_cache, progress)
         kept = []
         for prompt in loaded:
-            text = normalize_text(prompt_text(prompt))
+            text = comparable_text(prompt)
             if prompt.id in seen_ids or text in seen_texts:
                 continue
             seen_ids.add(prompt.id)
