@@ -18,6 +18,7 @@ The last line is one JSON document.
 import argparse
 import json
 import os
+from dataclasses import dataclass, field
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -31,8 +32,11 @@ from hf_dflash.verify_policy import VerifyCosts, measure_verify_costs  # noqa: E
 SCALES = (1.0, 0.8, 0.6)
 
 
+@dataclass(frozen=True)
 class RecordingCosts(VerifyCosts):
     """Verifies every proposal and records the confidences it was asked about (batch 1)."""
+
+    recorded: list[list[float]] = field(default_factory=list)
 
     def best_num_draft(self, confidences: torch.Tensor) -> int:
         self.recorded.append(confidences[0].tolist())
@@ -44,7 +48,6 @@ def record_rounds(target, draft, prompts, max_new_tokens: int) -> list[tuple[lis
     rounds = []
     for prompt in prompts:
         costs = RecordingCosts(verify=(1.0,) * draft.config.block_size, draft=0.0)
-        object.__setattr__(costs, "recorded", [])
         ids = prompt.input_ids[None]
         out = speculative_generate(
             target, draft, ids, max_new_tokens=max_new_tokens, do_sample=False, verify_costs=costs
