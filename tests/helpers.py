@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -115,3 +119,11 @@ def greedy_reference(target, prompt: torch.Tensor, max_new_tokens: int, **kwargs
     with torch.no_grad():
         out = target.generate(prompt[None], max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     return out[0]
+
+
+def load_module(path: Path, name: str | None = None) -> ModuleType:
+    """Import a Python file that is not part of a package (``scripts/``, ``benchmarks/``, a saved remote-code copy)."""
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,19 +1,15 @@
 """`benchmarks/replay_verify_policy.py`: the rounds it records are the loop's own, and its replay arithmetic is right."""
 
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from helpers import make_oracle, make_target
+from helpers import load_module, make_oracle, make_target
 from test_generation import random_prompt
 
 from hf_dflash.verify_policy import VerifyCosts
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "replay_verify_policy.py"
-_SPEC = importlib.util.spec_from_file_location("replay_verify_policy", _PATH)
-replay_verify_policy = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(replay_verify_policy)
+replay_verify_policy = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "replay_verify_policy.py")
 
 
 def _record(p_wrong: float, max_new_tokens: int = 40):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+from helpers import load_module
 
 from hf_dflash import data
 from hf_dflash.prompts import HUMANEVAL_INSTRUCTION, prompt_set_path
@@ -15,14 +15,7 @@ from hf_dflash.prompts import HUMANEVAL_INSTRUCTION, prompt_set_path
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-shaped_prompts = _load_script("shaped_prompts")
+shaped_prompts = load_module(SCRIPTS / "shaped_prompts.py")
 
 
 @pytest.mark.parametrize(

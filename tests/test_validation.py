@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import transformers
-from helpers import PAD, VOCAB, make_draft
+from helpers import PAD, VOCAB, load_module, make_draft
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -491,9 +489,7 @@ def test_enable_dflash_generate_is_idempotent(target, draft, tmp_path):
     DFlashForDrafting.from_pretrained(tmp_path)
 
     # A trust_remote_code copy of generation_dflash.py (a separate module object) must not wrap a second time.
-    spec = importlib.util.spec_from_file_location("remote_generation_dflash", tmp_path / "generation_dflash.py")
-    remote = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(remote)
+    remote = load_module(tmp_path / "generation_dflash.py", name="remote_generation_dflash")
     assert remote.enable_dflash_generate() is True
 
     assert GenerationMixin._get_candidate_generator is routing
