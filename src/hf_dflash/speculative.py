@@ -276,7 +276,7 @@ class _SpeculativeLoop:
     # -- steps -------------------------------------------------------------------------------------------------------
 
     def _prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> torch.LongTensor:
-        start = time.perf_counter()
+        start = synchronized_clock(input_ids.device)
         self.cache = DynamicCache(config=self.target.config)
         self.cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
         self.draft_cache = DynamicCache(config=self.draft.config)
@@ -288,20 +288,20 @@ class _SpeculativeLoop:
         self.next_position = attention_mask.long().sum(-1)  # [b]: position of the bonus token
         self._stage_context(out.hidden_states, attention_mask.long(), positions)
         bonus = self._pick(out.logits[:, -1:].float())[:, 0]
-        self.stats.prefill_time_s += _elapsed(start, input_ids.device)
+        self.stats.prefill_time_s += synchronized_clock(input_ids.device) - start
         return bonus
 
     def _round(self, bonus: torch.LongTensor) -> torch.LongTensor:
         """Draft, verify, accept and roll back once; returns the new bonus tokens `[b]`."""
         remaining = max(self.max_new_tokens - len(g) for g, d in zip(self.generated, self.done.tolist()) if not d)
         num_draft = max(min(self.block_size - 1, remaining - 1), 0)
-        start = time.perf_counter()
+        start = synchronized_clock(bonus.device)
         draft_ids, q, confidence = self._draft(bonus, num_draft)  # [b, k], [b, k, V] or None, [b, k] or None
         if confidence is not None:  # keep only the proposals worth their verify cost, judged on unfinished rows
             num_draft = self.verify_costs.best_num_draft(confidence[~self.done])
             draft_ids, q = draft_ids[:, :num_draft], None if q is None else q[:, :num_draft]
         self.stats.verified_drafts += num_draft
-        verify_start = time.perf_counter()
+        verify_start = synchronized_clock(bonus.device)  # the draft's queued work ends here, not inside verify
         self.stats.draft_time_s += verify_start - start
         verify_ids = torch.cat([bonus[:, None], draft_ids], dim=1)  # [b, k + 1]
         positions = self.next_position[:, None] + torch.arange(num_draft + 1, device=bonus.device)
@@ -309,7 +309,7 @@ class _SpeculativeLoop:
         out = self._target_forward(verify_ids, key_mask, positions)
         num_accepted, new_bonus = self._accept(draft_ids, q, out.logits.float())
         self._roll_back(out.hidden_states, positions, num_accepted + 1, num_draft + 1)
-        self.stats.verify_time_s += _elapsed(verify_start, bonus.device)
+        self.stats.verify_time_s += synchronized_clock(bonus.device) - verify_start
         accepted = [ids[:n] + [b] for ids, n, b in zip(draft_ids.tolist(), num_accepted.tolist(), new_bonus.tolist())]
         self._commit(accepted, count_round=True)
         return new_bonus
@@ -441,10 +441,14 @@ class _SpeculativeLoop:
         return SpeculativeOutput(sequences, [len(g) for g in self.generated], self.stats)
 
 
-def _elapsed(start: float, device: torch.device) -> float:
+def synchronized_clock(device: torch.device) -> float:
+    """`time.perf_counter()` once `device` has finished its queued work (CUDA and MPS run asynchronously; a CPU
+    has nothing to wait for), so the time between two readings is the work queued between them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    elif device.type == "mps":
+        torch.mps.synchronize()
+    return time.perf_counter()
 
 
 __all__ = ["SpeculativeOutput", "SpeculativeStats", "speculative_generate"]
