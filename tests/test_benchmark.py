@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers import make_draft, make_target
 
+from hf_dflash import benchmark
 from hf_dflash.benchmark import (
     ALL_METHODS,
     BenchmarkConfig,
@@ -11,6 +12,7 @@ from hf_dflash.benchmark import (
     count_new_tokens,
     default_methods,
     first_difference,
+    measure_batch_throughput,
     median,
     median_of_ratios,
     ratio_of_medians,
@@ -182,7 +184,7 @@ def test_table_and_plot(report, tmp_path):
 
 
 def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_path, target, draft):
-    from hf_dflash import DFlashForDrafting, benchmark, cli, targets
+    from hf_dflash import DFlashForDrafting, cli, targets
 
     real_run = benchmark.run_benchmark
     monkeypatch.setattr(targets, "load_target", lambda name, dtype=None: (target, None))
@@ -202,6 +204,82 @@ def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:1], methods=broken))
     assert cli.main(argv) == 1
     assert "OUTPUT MISMATCHES" in capsys.readouterr().out
+
+
+@pytest.fixture
+def bench_cli(monkeypatch, tmp_path, target, draft):
+    """`hf-dflash bench ...options` on the tiny target and two prompts -> (exit code, the report it wrote)."""
+    from hf_dflash import DFlashForDrafting, cli, targets
+
+    real_run = benchmark.run_benchmark
+    monkeypatch.setattr(targets, "load_target", lambda name, dtype=None: (target, None))
+    monkeypatch.setattr(DFlashForDrafting, "from_pretrained", classmethod(lambda cls, path: draft))
+    monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:2]))
+    output = tmp_path / "bench.json"
+
+    def run(*options: str) -> tuple[int, dict]:
+        argv = ["bench", "--draft", "unused", "--max-new-tokens", "6", "--methods", "ours", "--verify", "all"]
+        exit_code = cli.main(argv + ["--output", str(output), *options])
+        return exit_code, json.loads(output.read_text())
+
+    return run
+
+
+def test_cli_fails_when_batched_outputs_differ(bench_cli, monkeypatch, capsys):
+    real_generate = benchmark.speculative_generate
+
+    def wrong_when_batched(target, draft, input_ids, *args, **kwargs):
+        out = real_generate(target, draft, input_ids, *args, **kwargs)
+        if input_ids.shape[0] > 1:  # single-prompt runs (the main benchmark, batch 1) stay right
+            out.sequences[-1, -1] = (out.sequences[-1, -1] + 1) % 90
+        return out
+
+    monkeypatch.setattr(benchmark, "speculative_generate", wrong_when_batched)
+    exit_code, report = bench_cli("--draft-block-sizes", "--batch-sizes", "1", "2")
+    assert exit_code == 1
+    assert report["mismatches"] == [] and [r["identical"] for r in report["batch"]] == [True, False]
+    assert not report["identical"]
+    assert report["failures"] == ["batch 2: speculative_generate differs from target.generate"]
+    out = capsys.readouterr()
+    assert "identical outputs" not in out.out and "batch 2: speculative_generate differs" in out.err
+
+
+@pytest.mark.parametrize(
+    "function, options, still_identical",
+    [
+        ("time_draft_forward", ["--draft-block-sizes", "2", "--batch-sizes"], True),  # timing only: outputs matched
+        ("measure_batch_throughput", ["--draft-block-sizes", "--batch-sizes", "2"], False),  # never compared
+    ],
+)
+def test_cli_fails_when_a_sub_benchmark_raises(bench_cli, monkeypatch, capsys, function, options, still_identical):
+    def raises(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(benchmark, function, raises)
+    exit_code, report = bench_cli(*options)
+    name = "draft_forward" if function == "time_draft_forward" else "batch"
+    assert exit_code == 1
+    assert report[name] == {"error": "RuntimeError('boom')"} and report["mismatches"] == []
+    assert report["identical"] is still_identical
+    assert report["failures"] == [f"{name} sub-benchmark failed: RuntimeError('boom')"]
+    table = capsys.readouterr().out
+    assert "identical outputs" not in table and f"{name} sub-benchmark failed" in table
+
+
+def test_batches_are_padded_as_the_library_pads(draft):
+    target = make_target("llama")
+    target.generation_config.pad_token_id, target.generation_config.eos_token_id = None, [3, 7]  # pads with 3
+    inputs = []
+    target.register_forward_pre_hook(lambda module, args, kwargs: inputs.append(kwargs["input_ids"]), with_kwargs=True)
+    prompts = PROMPTS[:2]  # 8 and 5 tokens: the second row gets 3 pads
+    results = measure_batch_throughput(target, draft, prompts, [2], {"max_new_tokens": 3}, progress=False)
+    assert inputs[0][1, :3].tolist() == [3, 3, 3] and inputs[0][1, 3:].tolist() == PROMPTS[1].input_ids.tolist()
+    assert results[0]["identical"]
+
+
+def test_batch_throughput_needs_one_repeat(target, draft):
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        measure_batch_throughput(target, draft, PROMPTS[:1], [1], {"max_new_tokens": 2}, repeats=0, progress=False)
 
 
 def test_native_and_assisted_take_their_own_paths(generator_spy, target, draft):

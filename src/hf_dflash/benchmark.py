@@ -10,13 +10,16 @@ Design:
   with `config.verify_costs`, and `ours_full_block` (`speculative_generate` verifying every proposal, as published);
 - with `verify_costs="auto"` the target's verify costs are measured once before the warm-up, outside every timing,
   and recorded in the conditions;
-- greedy runs must be token-identical to `plain` on every prompt and repeat; mismatches are collected, never hidden;
+- greedy runs must be token-identical to `plain` on every prompt and repeat, and batched `speculative_generate` to
+  batched `target.generate`; mismatches are collected, never hidden, and `report["identical"]` covers every path;
 - tokens/s per prompt use the median time over repeats; a dataset reports the median over prompts, the speedup as a
   ratio of medians and as the median of per-prompt ratios, each computed on the prompts both methods ran;
 - `tokens_per_target_forward` counts the target's top-level forward calls with a hook (prefill included), so it is
   the same measurement for every path (1.0 for plain decoding); `tau` and its histogram come from `SpeculativeStats`;
 - two optional sub-benchmarks: the draft's forward + LM head time per block size (paper, Figure 3), and batched
-  throughput of `speculative_generate` vs `target.generate` on left-padded batches.
+  throughput of `speculative_generate` vs `target.generate` on left-padded batches; one that raises is recorded as
+  `{"error": ...}` so the main results survive;
+- `report["failures"]` lists every failed method, mismatch and failed sub-benchmark: the run passes when it is empty.
 
 Functions return plain data (a JSON-ready dict); `render_table` and `save_plot` turn it into text and a PNG. Nothing
 here prints: progress goes through transformers' tqdm, messages through its logger.
@@ -29,7 +32,6 @@ import functools
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,9 +43,9 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from .generation_dflash import noise_block, pad_token_id_of
+from .generation_dflash import noise_block, pad_token_id_of, token_ids
 from .modeling_dflash import DFlashForDrafting
-from .speculative import SpeculativeStats, speculative_generate
+from .speculative import SpeculativeStats, speculative_generate, synchronized_clock
 from .verify_policy import cached_verify_costs
 
 logger = logging.get_logger(__name__)
@@ -51,6 +53,7 @@ logger = logging.get_logger(__name__)
 BASELINE = "plain"
 ALL_METHODS = ("plain", "prompt_lookup", "native", "assisted", "ours", "ours_full_block")
 CORE_METHODS = ("plain", "assisted", "ours")  # what prompts beyond `full_comparison_limit` run
+SUB_BENCHMARKS = ("draft_forward", "batch")  # report keys: a list of results, or {"error": ...} if it raised
 
 # A method: (target, draft, input_ids [1, L], attention_mask [1, L], **generation kwargs) -> (sequences, stats | None)
 Method = Callable[..., tuple[torch.LongTensor, SpeculativeStats | None]]
@@ -269,20 +272,13 @@ class _Run:
     stats: SpeculativeStats | None = field(default=None, repr=False)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed_run(method: Method, target, draft, input_ids, generation_kwargs) -> tuple[float, int, list[int], Any]:
     """(seconds, target forwards, new tokens, stats) of one generation of one prompt."""
     mask = torch.ones_like(input_ids)
     with torch.no_grad(), _ForwardCounter(target) as counter:
-        _sync(input_ids.device)
-        start = time.perf_counter()
+        start = synchronized_clock(input_ids.device)
         sequences, stats = method(target, draft, input_ids, mask, **generation_kwargs)
-        _sync(input_ids.device)
-        seconds = time.perf_counter() - start
+        seconds = synchronized_clock(input_ids.device) - start
     return seconds, counter.calls, sequences[0, input_ids.shape[1] :].tolist(), stats
 
 
@@ -394,7 +390,6 @@ def run_benchmark(
             for prompt, prompt_methods in plan
         ],
         "identity_checked": not config.do_sample,
-        "identical": not mismatches and not failed,
         "mismatches": mismatches,
         "datasets": summaries,
         "per_prompt": per_prompt,
@@ -415,7 +410,35 @@ def run_benchmark(
             config.progress,
             config.verify_costs,
         )
+    crashed = isinstance(report.get("batch"), dict)  # the batched path ran, but its outputs were never compared
+    report["identical"] = not (failed or mismatches or _batch_mismatches(report) or crashed)
+    report["failures"] = failures(report)
     return report
+
+
+def _batch_mismatches(report: dict[str, Any]) -> list[int]:
+    """The batch sizes where batched `speculative_generate` differed from batched `target.generate` (greedy only)."""
+    batch = report.get("batch")
+    if not report["identity_checked"] or not isinstance(batch, list):
+        return []
+    return [r["batch_size"] for r in batch if not r["identical"]]
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    """Why a report does not pass, one line each: failed methods, outputs that differ from plain decoding (batched
+    ones included) and sub-benchmarks that raised. Empty when every path ran and matched."""
+    problems = [f"method {name!r} failed: {error}" for name, error in report["failed_methods"].items()]
+    if report["mismatches"]:
+        problems.append(f"{len(report['mismatches'])} output(s) differ from {BASELINE}")
+    problems += [
+        f"batch {size}: speculative_generate differs from target.generate" for size in _batch_mismatches(report)
+    ]
+    problems += [
+        f"{name} sub-benchmark failed: {report[name]['error']}"
+        for name in SUB_BENCHMARKS
+        if isinstance(report.get(name), dict)
+    ]
+    return problems
 
 
 def _recorded_failure(function: Callable) -> Callable:
@@ -567,14 +590,11 @@ def time_draft_forward(
         positions = torch.arange(context_len, context_len + 1 + block_size, device=device)[None]
         step_times, head_times = [], []
         for attempt in range(repeats + 2):  # two warm-up steps
-            _sync(device)
-            start = time.perf_counter()
+            start = synchronized_clock(device)
             hidden = fresh(block, new_context, positions, cache=cache).last_hidden_state
-            _sync(device)
-            head_start = time.perf_counter()
+            head_start = synchronized_clock(device)
             fresh.draft_logits(hidden[:, 1:], lm_head)  # over the draft vocabulary, as the loop does
-            _sync(device)
-            end = time.perf_counter()
+            end = synchronized_clock(device)
             cache.crop(-(block_size + 1))  # back to `context_len` cached tokens
             if attempt >= 2:
                 step_times.append(end - start)
@@ -617,13 +637,16 @@ def measure_batch_throughput(
 ) -> list[dict[str, Any]]:
     """Tokens/s of batched `target.generate` vs batched `speculative_generate(..., verify_costs=verify_costs)` on
     left-padded batches of the first prompts (reused cyclically when there are fewer prompts than the batch size);
-    `"auto"` costs are measured in the untimed warm-up."""
+    `"auto"` costs are measured in the untimed warm-up. Each batch runs `repeats` times per path (median time);
+    batches are padded and cut at EOS as the rest of the library does (`pad_token_id_of`, `token_ids`), with
+    `generation_kwargs` over `target.generation_config`."""
+    if repeats < 1:
+        raise ValueError(f"measure_batch_throughput needs repeats >= 1 timed runs per batch, got {repeats}; pass 1.")
     device = target.device
     ours_kwargs = {"verify_costs": verify_costs}
-    pad = generation_kwargs.get("pad_token_id")
-    pad = 0 if pad is None else pad
-    eos = target.generation_config.eos_token_id
-    eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    generation = copy.deepcopy(target.generation_config)
+    generation.update(**generation_kwargs)
+    pad, eos_ids = pad_token_id_of(generation), token_ids(generation.eos_token_id)
     results = []
     for batch_size in logging.tqdm(batch_sizes, desc="batch", disable=not progress):
         chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
@@ -634,8 +657,7 @@ def measure_batch_throughput(
         times: dict[str, list[float]] = {"plain": [], "ours": []}
         for repeat in range(repeats):
             for name in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
-                _sync(device)
-                start = time.perf_counter()
+                start = synchronized_clock(device)
                 if name == "plain":
                     generated = target.generate(input_ids=ids, attention_mask=mask, **generation_kwargs)
                     generated = generated[:, ids.shape[1] :]
@@ -647,13 +669,12 @@ def measure_batch_throughput(
                     ours_rows = [
                         row[ids.shape[1] : ids.shape[1] + n] for row, n in zip(out.sequences.tolist(), ours_counts)
                     ]
-                _sync(device)
-                times[name].append(time.perf_counter() - start)
+                times[name].append(synchronized_clock(device) - start)
         plain_rate = sum(plain_counts) / median(times["plain"])
         ours_rate = sum(ours_counts) / median(times["ours"])
         identical = plain_rows == ours_rows
         if not identical and not generation_kwargs.get("do_sample"):
-            logger.warning(f"Batch {batch_size}: speculative_generate and batched target.generate differ.")
+            logger.error(f"Batch {batch_size}: speculative_generate and batched target.generate differ.")
         results.append(
             {
                 "batch_size": batch_size,
@@ -707,9 +728,6 @@ def render_table(report: dict[str, Any]) -> str:
                     f"{stats['verified_drafts_per_round']:.2f} proposals verified, draft "
                     f"{stats['draft_ms_per_round']:.1f} + verify {stats['verify_ms_per_round']:.1f} ms/round"
                 )
-    for name in ("draft_forward", "batch"):
-        if isinstance(report.get(name), dict):
-            lines += ["", f"{name} sub-benchmark FAILED: {report[name]['error']}"]
     if isinstance(report.get("draft_forward"), list):
         lines += [
             "",
@@ -727,15 +745,18 @@ def render_table(report: dict[str, Any]) -> str:
                 f"tok/s, x{r['speedup']:.2f}, identical {r['identical']}"
             )
     lines.append("")
-    if report["failed_methods"]:
-        lines.append(f"FAILED METHODS: {report['failed_methods']}")
     if not report["identity_checked"]:
         lines.append("outputs not compared (sampling)")
-    elif report["mismatches"]:
+    if report["mismatches"]:
         lines.append(f"OUTPUT MISMATCHES vs plain: {len(report['mismatches'])}")
         lines += [f"  {m}" for m in report["mismatches"]]
-    else:
-        lines.append(f"identical outputs: every method matched plain on all {len(report['prompts'])} prompts")
+    problems = failures(report)
+    if problems:
+        lines.append(f"FAILED ({len(problems)}):")
+        lines += [f"  {problem}" for problem in problems]
+    elif report["identity_checked"]:
+        batched = ", and every batch matched batched plain" if isinstance(report.get("batch"), list) else ""
+        lines.append(f"identical outputs: every method matched plain on all {len(report['prompts'])} prompts{batched}")
     return "\n".join(lines)
 
 
@@ -774,6 +795,7 @@ __all__ = [
     "BenchmarkConfig",
     "BenchmarkPrompt",
     "default_methods",
+    "failures",
     "load_benchmark_prompts",
     "median",
     "median_of_ratios",
