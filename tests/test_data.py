@@ -117,7 +117,7 @@ def test_resume_skips_done_ids_and_drops_a_torn_last_line(target, tokenizer, tmp
     torn = text[: len(text) - len(text.splitlines()[-1]) // 2 - 1]  # crash halfway through the last line
     path.write_text(torn)
     assert data.completed_ids(path) == {first[0]["id"], first[1]["id"]}
-    assert path.read_text().endswith("\n")  # the torn line was cut off the file
+    assert path.read_text() == torn  # the query leaves the torn line; regenerate_responses repairs it
 
     calls = count_generated_rows(monkeypatch, target)
     data.regenerate_responses(target, tokenizer, prompts, path, **kwargs)
@@ -128,6 +128,27 @@ def test_resume_skips_done_ids_and_drops_a_torn_last_line(target, tokenizer, tmp
     data.regenerate_responses(target, tokenizer, prompts, path, **kwargs)
     assert sum(len(ids) for ids in calls) == 2 and len(read_records(path)) == 4
     assert len(data.load_training_dataset(path)) == 4
+
+
+def test_completed_ids_only_reads_the_file(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"id": "a"}\n\n{"id": "b"}\n{"id": "c", "input_')  # a crash mid-write of record c
+    before = path.read_bytes()
+    assert data.completed_ids(path) == {"a", "b"}
+    assert path.read_bytes() == before
+    assert data.completed_ids(tmp_path / "none.jsonl") == set() and not (tmp_path / "none.jsonl").exists()
+
+
+def test_drop_torn_last_line_cuts_only_the_partial_line(tmp_path):
+    path = tmp_path / "out.jsonl"
+    complete = b'{"id": "a"}\n{"id": "b"}\n'
+    path.write_bytes(complete + b'{"id": "c", "input_')
+    assert data.drop_torn_last_line(path) == len(b'{"id": "c", "input_')
+    assert path.read_bytes() == complete
+    assert data.drop_torn_last_line(path) == 0 and path.read_bytes() == complete  # a whole file is left alone
+    path.write_bytes(b'{"id": "a", "inp')  # torn first line: nothing complete to keep
+    assert data.drop_torn_last_line(path) == 16 and path.read_bytes() == b""
+    assert data.drop_torn_last_line(tmp_path / "none.jsonl") == 0 and not (tmp_path / "none.jsonl").exists()
 
 
 def test_prompts_longer_than_the_limit_are_skipped(target, tokenizer, tmp_path):

@@ -13,8 +13,8 @@ A drafter learns to predict what the target will say, so the responses are regen
 
    ``loss_mask`` is 0 on the prompt (chat template with the assistant header) and 1 on every generated token,
    the final end-of-turn token included when it was generated; padding is stripped. Each batch is flushed
-   and synced, and a rerun skips the ids already in the file, so an interrupted run loses at most one batch
-   (a torn last line is dropped on resume);
+   and synced, and a rerun skips the ids already in the file (``completed_ids``), so an interrupted run loses
+   at most one batch (``drop_torn_last_line`` cuts a partly written last line off the file on resume);
 4. ``load_training_dataset`` reads and validates the file as a ``datasets.Dataset``.
 
 The generation core works on token ids (``generate_responses``), so it runs on any causal LM.
@@ -380,6 +380,7 @@ def regenerate_responses(
     Sampled batches are seeded by ``seed`` and the batch's first id.
     """
     output_path = Path(output_path)
+    drop_torn_last_line(output_path)
     done = completed_ids(output_path)
     todo, already, too_long = [], 0, 0
     for prompt in prompts:
@@ -437,21 +438,39 @@ def regenerate_responses(
 
 
 def completed_ids(path: str | os.PathLike) -> set[str]:
-    """Ids of the records in a (possibly interrupted) output file; a torn last line is cut off the file."""
+    """Ids of the complete records (newline-terminated lines) of a possibly interrupted output file.
+
+    Only reads: a torn last line is not counted and stays in the file (``drop_torn_last_line`` removes it).
+    """
     path = Path(path)
     if not path.exists():
         return set()
-    with open(path, "rb+") as file:
-        data = file.read()
-        end = data.rfind(b"\n") + 1
-        if data[end:].strip():
-            logger.warning(f"{path}: dropping a partially written last line ({len(data) - end} bytes)")
-            file.truncate(end)
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
     ids = set()
-    for number, line in enumerate(data[:end].decode("utf-8").splitlines(), start=1):
+    for number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
         if line.strip():
             ids.add(str(_parse_line(path, number, line)["id"]))
     return ids
+
+
+def drop_torn_last_line(path: str | os.PathLike) -> int:
+    """Truncate a partly written last line (what a crash mid-write leaves) off ``path``; returns the bytes cut.
+
+    Everything up to the last newline is kept byte for byte; a missing file or one ending in a newline is left
+    as it is (0 bytes cut).
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    with open(path, "rb+") as file:
+        data = file.read()
+        end = data.rfind(b"\n") + 1
+        if not data[end:]:
+            return 0
+        logger.warning(f"{path}: dropping a partially written last line ({len(data) - end} bytes)")
+        file.truncate(end)
+    return len(data) - end
 
 
 # Loading
