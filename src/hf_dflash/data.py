@@ -6,7 +6,8 @@ A drafter learns to predict what the target will say, so the responses are regen
 1. prompts from ShareGPT, MATH-500, a JSONL file, a ``datasets.Dataset``, or written by the target itself
    (``synthesize_prompts``: the target is fed only its chat template's user header and writes the user turn);
 2. ``training_prompts`` refuses the benchmark sets (``EVALUATION_SETS``) as sources and drops every prompt
-   that equals or contains a benchmark item, so evaluation items stay out of training by construction;
+   that equals or contains a benchmark item, so evaluation items stay out of training by construction (a
+   benchmark set that is not installed raises, unless the caller opts out of it by name);
 3. ``regenerate_responses`` runs batched ``target.generate`` and appends one JSON record per line::
 
        {"id": "sharegpt/12", "source": "sharegpt", "prompt_len": 31, "input_ids": [...], "loss_mask": [0, ..., 1]}
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import datasets
@@ -34,7 +35,7 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_dflash.prompts import KNOWN_PROMPT_SETS, Prompt, apply_chat_template, load_prompts
+from hf_dflash.prompts import KNOWN_PROMPT_SETS, Prompt, apply_chat_template, get_prompt_set_spec, load_prompts
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -223,14 +224,28 @@ class EvaluationFilter:
         return False
 
 
-def evaluation_prompts() -> list[Prompt]:
-    """Every item of the installed evaluation sets; a set whose package is missing is skipped with a warning."""
-    items = []
+def evaluation_prompts(unfiltered: Collection[str] = ()) -> list[Prompt]:
+    """Every item of the evaluation sets (``EVALUATION_SETS``) except those named in ``unfiltered``.
+
+    A set that cannot be loaded (its package missing, or installed without its data file) raises
+    ``RuntimeError`` naming the package and the ways out, since its items could otherwise reach the training
+    data unnoticed. A set named in ``unfiltered`` is not loaded, with a warning that its items are not kept out.
+    """
+    unfiltered = {unfiltered} if isinstance(unfiltered, str) else set(unfiltered)
+    unknown = sorted(unfiltered - set(EVALUATION_SETS))
+    if unknown:
+        raise ValueError(f"Unknown evaluation sets {unknown}; the evaluation sets are {', '.join(EVALUATION_SETS)}.")
+    items, missing = [], []
     for name in EVALUATION_SETS:
+        if name in unfiltered:
+            logger.warning(f"Evaluation set {name!r} is opted out of the filter: its items may reach training data.")
+            continue
         try:
             items += load_prompts(name)
         except (ModuleNotFoundError, FileNotFoundError) as error:
-            logger.warning(f"Cannot filter evaluation set {name!r} out of the training data: {error}")
+            missing.append((name, error))
+    if missing:
+        raise RuntimeError(_missing_evaluation_sets_message(missing)) from missing[0][1]
     return items
 
 
@@ -244,14 +259,17 @@ def training_prompts(
     batch_size: int = 8,
     synthetic_cache: str | os.PathLike | None = None,
     evaluation: Iterable[Prompt] | None = None,
+    unfiltered_evaluation_sets: Collection[str] = (),
     progress: bool = False,
 ) -> list[Prompt]:
     """Training prompts from source specs: a packaged set (``"sharegpt"``, ``"math500"``), ``"synthetic"``
     (written by ``target``; needs ``target`` and ``tokenizer``) or a path ending in ``.jsonl``.
 
     Up to ``limit_per_source`` prompts are taken from each source. An evaluation set (``EVALUATION_SETS``) as a
-    source raises ``ValueError``. Prompts equal to or containing an evaluation item (``evaluation``; default:
-    all of ``EVALUATION_SETS`` that are installed) are dropped, as are repeated ids and repeated texts.
+    source raises ``ValueError``. Prompts equal to or containing an evaluation item are dropped, as are repeated
+    ids and repeated texts. The evaluation items are ``evaluation`` when given, else every set of
+    ``EVALUATION_SETS`` but those named in ``unfiltered_evaluation_sets`` (see ``evaluation_prompts``: a set
+    that is not installed raises ``RuntimeError`` rather than letting its items through).
     Synthetic prompts are read from ``synthetic_cache`` when it holds enough of them, else synthesized and
     written there, so a resumed run does not sample them again.
     """
@@ -259,7 +277,11 @@ def training_prompts(
         _check_source(source)
     if SYNTHETIC_SOURCE in sources and (target is None or tokenizer is None):
         raise ValueError("The 'synthetic' source needs the target and its tokenizer (target=..., tokenizer=...).")
-    evaluation_filter = EvaluationFilter(evaluation_prompts() if evaluation is None else evaluation)
+    if evaluation is not None and unfiltered_evaluation_sets:
+        raise ValueError("Pass either evaluation= (the items to filter) or unfiltered_evaluation_sets=, not both.")
+    if evaluation is None:
+        evaluation = evaluation_prompts(unfiltered_evaluation_sets)
+    evaluation_filter = EvaluationFilter(evaluation)
     prompts: list[Prompt] = []
     seen_ids: set[str] = set()
     seen_texts: set[str] = set()
@@ -525,6 +547,20 @@ def _check_source(source: str) -> None:
     if source != SYNTHETIC_SOURCE and source not in KNOWN_PROMPT_SETS and not source.endswith(".jsonl"):
         known = sorted({SYNTHETIC_SOURCE, *KNOWN_PROMPT_SETS} - set(EVALUATION_SETS))
         raise ValueError(f"Unknown training source {source!r}; use one of {', '.join(known)} or a path ending .jsonl.")
+
+
+def _missing_evaluation_sets_message(missing: list[tuple[str, Exception]]) -> str:
+    """What to do when evaluation sets cannot be loaded to keep their items out of the training data."""
+    names = [name for name, _ in missing]
+    details = "; ".join(
+        f"{name!r} (package {get_prompt_set_spec(name).distribution!r}): {error}" for name, error in missing
+    )
+    flags = " ".join(f"--unfiltered-evaluation-set {name}" for name in names)
+    return (
+        f"Cannot keep evaluation sets {', '.join(map(repr, names))} out of the training data: {details}. Install the "
+        "benchmark packages with scripts/install_offline_assets.sh, or pass the evaluation items explicitly "
+        f"(evaluation=[...]), or opt out by name (unfiltered_evaluation_sets={tuple(names)!r}; hf-dflash data: {flags})."
+    )
 
 
 def _load_source(source, limit, target, tokenizer, seed, batch_size, synthetic_cache, progress) -> list[Prompt]:
