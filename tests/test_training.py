@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import Counter
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import PAD, make_draft, make_target
-from huggingface_hub import RepoUrl
+from huggingface_hub import ModelCard, RepoUrl
 
 from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.collator import (
@@ -377,12 +378,40 @@ def test_push_to_hub_uploads_the_drafter_with_its_model_card(tmp_path, monkeypat
         training_info={"base_model": "org/tiny-llama", "acceptance": {"held-out": {"tau": 2.5}}},
     )
     trainer.train()
-    trainer.push_to_hub()
+    trainer.push_to_hub(license="mit", tags="pushed-tag")
     (repo_id, files), *_ = uploads
     assert repo_id == "org/tiny-llama-dflash"
     card = files["README.md"].decode()
     assert "base_model: org/tiny-llama" in card and "dflash" in card and "assistant_model=" in card and "2.5" in card
+    assert "license: mit" in card and "- pushed-tag" in card and '"org/tiny-llama-dflash"' in card
     assert "model.safetensors" in files and "config.json" in files and "modeling_dflash.py" in files
+
+
+def test_model_card_carries_the_trainer_card_arguments(tmp_path, caplog):
+    target = make_target("llama")
+    draft = make_draft(target, block_size=8, num_hidden_layers=1)
+    trainer = DFlashTrainer(
+        model=draft, target=target, args=_args(tmp_path), training_info={"base_model": "org/tiny-llama"}
+    )
+    trainer.save_model()
+    readme = tmp_path / "out" / "README.md"
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.trainer"):
+        trainer.create_model_card(
+            license="mit",
+            tags=["my-tag", "tiny"],
+            model_name="me/tiny-dflash",
+            dataset_tags="org/chats",
+            language="en",
+        )
+    card = ModelCard.load(readme)
+    assert card.data.license == "mit" and card.data.datasets == ["org/chats"]
+    assert {"my-tag", "tiny", "dflash", "speculative-decoding"} <= set(card.data.tags)
+    assert 'from_pretrained("me/tiny-dflash"' in card.text
+    assert any("no place for language" in record.getMessage() for record in caplog.records)
+    trainer.create_model_card(model_name="tiny-dflash", finetuned_from="org/other-target")
+    card = ModelCard.load(readme)
+    assert card.data.license == "apache-2.0" and card.data.base_model == "org/other-target"
+    assert 'from_pretrained("<your-org>/tiny-dflash"' in card.text and "my-tag" not in card.data.tags
 
 
 # -- arguments -------------------------------------------------------------------------------------------------------

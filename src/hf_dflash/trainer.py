@@ -473,13 +473,46 @@ class DFlashTrainer(Trainer):
         tmp.write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
         os.replace(tmp, path)
 
-    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        """Render the drafter's model card (`hub_cards/`) instead of the generic Trainer card."""
+    def create_model_card(
+        self,
+        language: str | None = None,
+        license: str | None = None,
+        tags: str | list[str] | None = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: str | list[str] | None = None,
+        dataset_tags: str | list[str] | None = None,
+        dataset: str | list[str] | None = None,
+        dataset_args: str | list[str] | None = None,
+    ) -> None:
+        """Render the drafter's model card (`hub_cards/`) into `output_dir/README.md` instead of the generic card.
+
+        The arguments are `Trainer.create_model_card`'s (`push_to_hub(**kwargs)` passes them on): `license` (default
+        apache-2.0), `tags` (added to the DFlash tags), `finetuned_from` (the target, the card's `base_model`;
+        default: from `training_info`), `dataset_tags` (dataset repo ids for the metadata) and `model_name`, the
+        drafter's name in the card's snippets (`org/name`, or `<your-org>/name`; default: `hub_model_id`). A drafter's
+        card has no place for `language`, `tasks`, `dataset` and `dataset_args`: they are left out with a warning.
+        """
         from .model_card import card_info_from_folder, write_model_card
 
-        if self.is_world_process_zero():
-            self._write_training_info(self.args.output_dir)
-            write_model_card(self.args.output_dir, card_info_from_folder(self.args.output_dir))
+        if not self.is_world_process_zero():
+            return
+        unused = {"language": language, "tasks": tasks, "dataset": dataset, "dataset_args": dataset_args}
+        if any(value is not None for value in unused.values()):
+            names = ", ".join(name for name, value in unused.items() if value is not None)
+            logger.warning(f"The drafter's model card has no place for {names}; left out of the card.")
+        repo_id = self.hub_model_id or self.args.hub_model_id
+        if model_name and model_name != (repo_id or "").split("/")[-1]:  # push_to_hub passes hub_model_id's tail
+            repo_id = model_name if "/" in model_name else f"<your-org>/{model_name}"
+        overrides = {
+            "license": license,
+            "extra_tags": [tags] if isinstance(tags, str) else tags,
+            "drafter_repo_id": repo_id,
+            "base_model": finetuned_from,
+            "datasets": [dataset_tags] if isinstance(dataset_tags, str) else dataset_tags,
+        }
+        self._write_training_info(self.args.output_dir)
+        write_model_card(self.args.output_dir, card_info_from_folder(self.args.output_dir, **overrides))
 
 
 @torch.no_grad()
