@@ -13,6 +13,7 @@ import torch
 from datasets import Dataset
 from helpers import PAD, make_draft, make_target
 from huggingface_hub import ModelCard, RepoUrl
+from transformers.utils import logging as hf_logging
 
 from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.collator import (
@@ -459,7 +460,7 @@ def _saved_target_and_data(tmp_path: Path):
     return target, records, data
 
 
-def test_train_command_trains_saves_and_cards_a_drafter(tmp_path, monkeypatch):
+def test_train_command_trains_saves_and_cards_a_drafter(tmp_path, monkeypatch, capsys):
     from hf_dflash.cli import main
 
     target, records, data = _saved_target_and_data(tmp_path)
@@ -473,7 +474,11 @@ def test_train_command_trains_saves_and_cards_a_drafter(tmp_path, monkeypatch):
     monkeypatch.setattr(
         DFlashTrainer, "measure_real_acceptance", lambda self, *a, **k: measured.append(1) or measure(self, *a, **k)
     )
+    verbosity = hf_logging.get_verbosity()
     assert main(argv) == 0
+    assert hf_logging.get_verbosity() == verbosity  # the command's INFO verbosity ends with the command
+    printed = capsys.readouterr().out
+    assert "trained 2 steps on 4 sequences in " in printed and "min; real tau on 2 held-out prompts" in printed
     assert len(measured) == 2  # before training, and once at the last step (reused as the "after" value)
     draft = DFlashForDrafting.from_pretrained(out)
     assert draft.config.block_size == 4 and draft.config.mask_token_id == PAD
@@ -483,6 +488,26 @@ def test_train_command_trains_saves_and_cards_a_drafter(tmp_path, monkeypatch):
     assert info["acceptance"]["held-out"]["tau"] == info["training"]["held_out_tau_by_step"][-1][1]
     card = (out / "README.md").read_text()
     assert "speculative-decoding" in card and "--speculative-num-draft-tokens 4" in card
+
+
+def test_train_neither_prints_nor_sets_the_log_verbosity(tmp_path, capsys):
+    from hf_dflash.training_script import parse_train_args, train
+
+    _, _, data = _saved_target_and_data(tmp_path)
+    argv = ["--data", str(data), "--target", str(tmp_path / "target"), "--output_dir", str(tmp_path / "drafter")]
+    argv += ["--max_steps", "1", "--block_size", "4", "--mask_token_id", str(PAD), "--acceptance_holdout", "2"]
+    argv += ["--report_to", "none", "--use_cpu", "true", "--save_strategy", "no", "--disable_tqdm", "true"]
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        result = train(*parse_train_args(argv))
+        assert hf_logging.get_verbosity() == hf_logging.ERROR
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    assert result.steps == 1 and result.num_sequences == 4 and result.num_held_out == 2
+    assert result.tau_before is not None and result.tau_after is not None
+    assert "trained 1 steps" not in capsys.readouterr().out  # the command line prints result.summary(), not train
+    assert result.summary().startswith("trained 1 steps on 4 sequences")
 
 
 def test_cached_target_features_give_the_online_loss(tmp_path):

@@ -304,9 +304,20 @@ def run_data(args: argparse.Namespace) -> int:
 
 
 def run_train(argv: list[str]) -> int:
-    from hf_dflash.training_script import train_main
+    from transformers.utils import logging as hf_logging
 
-    return train_main(argv)
+    from hf_dflash.training_script import parse_train_args, train
+
+    script, args = parse_train_args(argv)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(hf_logging.INFO if args.should_log else hf_logging.WARNING)  # the Trainer's progress
+    try:
+        result = train(script, args)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if args.process_index == 0:
+        print(result.summary())
+    return 0
 
 
 if __name__ == "__main__":

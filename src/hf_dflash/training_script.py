@@ -1,7 +1,9 @@
 """`hf-dflash train`: train a drafter for a target on a regenerated dataset (`hf-dflash data`), then save and card it.
 
 Every `TrainingArguments` / `DFlashTrainingArguments` field is a flag (`--learning_rate`, `--block_size`, ...), parsed by
-`HfArgumentParser`, so the command runs as is under `accelerate launch -m hf_dflash.cli train ...`.
+`HfArgumentParser` (`parse_train_args`), so the command runs as is under `accelerate launch -m hf_dflash.cli train ...`.
+`train` does the work and returns a `TrainResult`; it prints nothing and leaves logging as it finds it: the command
+line (`hf_dflash.cli`) chooses the verbosity and prints the summary.
 """
 
 from __future__ import annotations
@@ -48,11 +50,36 @@ class TrainScriptArguments:
     )
 
 
-def train_main(argv: list[str] | None = None) -> int:
-    """Parse the flags, train, save the drafter with its model card, and print a summary. Returns an exit code."""
+@dataclass(frozen=True)
+class TrainResult:
+    """What `train` did: optimizer steps, training sequences, wall time, and the held-out tau before and after."""
+
+    steps: int
+    num_sequences: int
+    wall_s: float
+    num_held_out: int
+    tau_before: float | None  # None when no prompts were held out
+    tau_after: float | None
+    output_dir: str
+
+    def summary(self) -> str:
+        """One line for the command line to print."""
+        return (
+            f"trained {self.steps} steps on {self.num_sequences} sequences in {self.wall_s / 60:.1f} min; real tau "
+            f"on {self.num_held_out} held-out prompts: {self.tau_before} before, {self.tau_after} after "
+            f"-> {self.output_dir}"
+        )
+
+
+def parse_train_args(argv: list[str] | None = None) -> tuple[TrainScriptArguments, DFlashTrainingArguments]:
+    """The `hf-dflash train` flags (`sys.argv` when `argv` is None) as the script's and the trainer's arguments."""
     parser = HfArgumentParser((TrainScriptArguments, DFlashTrainingArguments))
     script, args = parser.parse_args_into_dataclasses(args=argv)
-    logging.set_verbosity_info() if args.should_log else logging.set_verbosity_warning()
+    return script, args
+
+
+def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainResult:
+    """Train a drafter, save it with its model card in `args.output_dir` (and push it when `args.push_to_hub`)."""
     start = time.perf_counter()
     target, tokenizer = _load_target(script.target, getattr(torch, script.target_dtype))
     dataset = load_training_dataset(script.data)
@@ -83,12 +110,15 @@ def train_main(argv: list[str] | None = None) -> int:
     trainer.create_model_card()
     if args.push_to_hub:
         trainer.push_to_hub()
-    if trainer.is_world_process_zero():
-        print(
-            f"trained {trainer.state.global_step} steps on {len(train_dataset)} sequences in {wall_s / 60:.1f} min; "
-            f"real tau on {len(prompts)} held-out prompts: {before} before, {after} after -> {args.output_dir}"
-        )
-    return 0
+    return TrainResult(
+        steps=trainer.state.global_step,
+        num_sequences=len(train_dataset),
+        wall_s=wall_s,
+        num_held_out=len(prompts),
+        tau_before=before,
+        tau_after=after,
+        output_dir=args.output_dir,
+    )
 
 
 def _load_target(name: str, dtype: torch.dtype) -> tuple[PreTrainedModel, object]:
@@ -182,4 +212,4 @@ def _held_out_acceptance(before, after, num_prompts: int, args: DFlashTrainingAr
     return {"held-out": {"tau": round(after, 3), "speedup": None, "conditions": conditions}}
 
 
-__all__ = ["TrainScriptArguments", "train_main"]
+__all__ = ["TrainResult", "TrainScriptArguments", "parse_train_args", "train"]
