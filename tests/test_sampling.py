@@ -81,12 +81,16 @@ def chi_square_pvalue(samples: list[tuple], exact: dict[tuple, float]) -> float:
 
 def random_draft(target) -> DFlashForDrafting:
     torch.manual_seed(7)
-    draft = DFlashForDrafting.from_target(
-        target, num_hidden_layers=1, block_size=4, mask_token_id=VOCAB - 1
-    )  # losslessness does not need an unused mask row.eval()
+    # losslessness does not need an unused mask row
+    draft = DFlashForDrafting.from_target(target, num_hidden_layers=1, block_size=4, mask_token_id=VOCAB - 1).eval()
     with torch.no_grad():  # a vague draft (q near uniform): accepted often enough that both paths run
         draft.norm.weight.mul_(0.05)
     return draft
+
+
+def test_the_random_draft_is_in_eval_mode():
+    draft = random_draft(peaky_target())
+    assert not any(module.training for module in draft.modules())
 
 
 def samples_from_generate(target, draft, n: int, generation_kwargs: dict) -> list[tuple]:
