@@ -1,8 +1,8 @@
 """Training batches for DFlash: random anchors, noise blocks, same-position labels, loss weights and the block mask.
 
-Notation (algorithm.md section 3): a sequence `x` of length `T` with a loss mask over its response tokens; `N` anchors
-per sequence; block size `B`. Block `j` is `[x_a, MASK x (B-1)]` at positions `a .. a+B-1` (`a` = anchor `j`); slot
-`k` (1..B-1) is trained to predict `x_{a+k}` (same position: no shift), slot 0 carries no loss.
+The method is DFlash's (arXiv:2602.06036). Notation: a sequence `x` of length `T` with a loss mask over its response
+tokens; `N` anchors per sequence; block size `B`. Block `j` is `[x_a, MASK x (B-1)]` at positions `a .. a+B-1` (`a` =
+anchor `j`); slot `k` (1..B-1) is trained to predict `x_{a+k}` (same position: no shift), slot 0 carries no loss.
 
 Visibility (query = block slot, key = context position `t` or block slot), decided by positions:
 - context keys `t < a` only (strictly before the anchor: at inference the anchor is the bonus token, whose target

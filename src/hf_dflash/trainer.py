@@ -1,6 +1,6 @@
 """`DFlashTrainer`: train a DFlash drafter for any causal LM with the transformers `Trainer`.
 
-One step (algorithm.md section 3; `N` anchors per sequence, `B` block size, `T` sequence length, `V` vocabulary):
+One step (arXiv:2602.06036; `N` anchors per sequence, `B` block size, `T` sequence length, `V` vocabulary):
 
 1. target (frozen, `no_grad`): features `cat(hs[l + 1] for l in target_layer_ids)` `[b, T, n*H]` of every position;
 2. draft: all `N` blocks `[x_a, MASK x (B-1)]` of a sequence in one forward, keys `[context (T) ; blocks (N*B)]`,
