@@ -276,7 +276,13 @@ def test_zlab_layout_written_and_reloaded(draft, tmp_path):
     assert config_json["architectures"] == ["DFlashDraftModel"]
     assert config_json["block_size"] == 4
     assert config_json["num_target_layers"] == 3
-    assert config_json["dflash_config"] == {"mask_token_id": PAD, "target_layer_ids": draft.config.target_layer_ids}
+    assert config_json["dflash_config"] == {
+        "mask_token_id": PAD,
+        "target_layer_ids": draft.config.target_layer_ids,
+        "input_embedding_scale": 1.0,
+        "causal": False,
+    }
+    assert config_json["is_causal"] is False
     assert "auto_map" not in config_json
     assert "mask_token_id" not in config_json and "target_layer_ids" not in config_json
     assert config_json["rope_theta"] == draft.config.rope_parameters["rope_theta"]
@@ -396,6 +402,15 @@ def test_published_zlab_sliding_checkpoint_loads(tmp_path):
     assert loaded.config.layer_types == ["sliding_attention"] * 2
     assert loaded.config.sliding_window == 16
     assert all(layer.self_attn.sliding_window == 16 for layer in loaded.layers)
+    assert loaded.config.causal_sliding_attention  # no causality key: vLLM and SGLang run such layers causally
+
+
+def test_zlab_checkpoint_with_causal_full_layers_is_refused(tmp_path):
+    published_zlab_checkpoint(tmp_path, torch.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "is_causal": True}))
+    with pytest.raises(ValueError, match="full-attention draft layers causal"):
+        DFlashForDrafting.from_pretrained(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The drafter's attention backends agree, and a cached forward equals recomputing from scratch."""
+"""The drafter's attention backends agree, a cached forward equals recomputing from scratch, `use_cache=False` leaves
+the cache alone, the forward compiles as one graph, and causal sliding layers see no later block slot."""
 
 import pytest
 import torch
@@ -46,3 +47,54 @@ def test_cached_forward_equals_recomputation_from_scratch():
         cache.crop(-block)  # what the generation loops do: keep the context K/V only
         cached = draft(noise, context[:, 6:], position_ids=positions[:, 6:], cache=cache).last_hidden_state
     torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+
+
+def test_use_cache_false_neither_reads_nor_extends_the_cache():
+    draft = make_draft(make_target("llama"))
+    noise, context, positions, _ = inputs(draft, batch=1, n_ctx=6)
+    block = draft.config.block_size
+    with torch.no_grad():
+        cache = DynamicCache(config=draft.config)
+        draft(noise, context[:, :3], position_ids=torch.cat([positions[:, :3], positions[:, 6:]], 1), cache=cache)
+        cache.crop(-block)
+        cached_length = cache.get_seq_length()
+        tail = positions[:, 3:]
+        with_cache = draft(noise, context[:, 3:], position_ids=tail, cache=cache).last_hidden_state
+        cache.crop(-block)
+        without = draft(noise, context[:, 3:], position_ids=tail, cache=cache, use_cache=False).last_hidden_state
+        no_cache = draft(noise, context[:, 3:], position_ids=tail).last_hidden_state
+    assert cache.get_seq_length() == cached_length + 3  # only the call that used it extended it
+    torch.testing.assert_close(without, no_cache)
+    assert not torch.allclose(without, with_cache)  # the cached context mattered when it was used
+
+
+@pytest.mark.parametrize(
+    "layer_types", [["full_attention", "full_attention"], ["sliding_attention", "full_attention"]]
+)
+def test_forward_compiles_as_one_graph(layer_types):
+    torch._dynamo.reset()
+    draft = make_draft(make_target("llama"), layer_types=layer_types, sliding_window=5)
+    draft.set_attn_implementation("sdpa")
+    noise, context, positions, keep = inputs(draft)
+    compiled = torch.compile(draft, fullgraph=True, backend="eager")  # a graph break or host sync would raise
+    with torch.no_grad():
+        expected = draft(noise, context, position_ids=positions, attention_mask=keep).last_hidden_state
+        got = compiled(noise, context, position_ids=positions, attention_mask=keep).last_hidden_state
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_causal_sliding_layers_see_no_later_block_slot(causal):
+    draft = make_draft(
+        make_target("llama"),
+        layer_types=["sliding_attention", "sliding_attention"],
+        sliding_window=16,
+        causal_sliding_attention=causal,
+    )
+    noise, context, positions, keep = inputs(draft, batch=1)
+    changed = noise.clone()
+    changed[:, -1] += 1.0  # only the last block slot differs
+    with torch.no_grad():
+        before = draft(noise, context, position_ids=positions, attention_mask=keep).last_hidden_state
+        after = draft(changed, context, position_ids=positions, attention_mask=keep).last_hidden_state
+    assert torch.allclose(before[:, :-1], after[:, :-1]) == causal

@@ -316,7 +316,8 @@ def test_overfitting_a_few_sequences_raises_the_real_acceptance_length(tmp_path)
 def test_checkpoints_hold_the_draft_only_and_reload_identically(tmp_path):
     target = make_target("qwen3")
     records, prompts = _regenerated(target, num_sequences=2, new_tokens=16)
-    draft = make_draft(target, block_size=8, num_hidden_layers=1).train()
+    draft = make_draft(target, block_size=8, num_hidden_layers=1, draft_vocab_size=48).train()
+    draft.set_draft_vocabulary(torch.arange(48, 96))
     args = _args(
         tmp_path, max_steps=3, save_strategy="steps", save_steps=3, save_zlab_layout=True, real_acceptance_steps=3
     )
@@ -344,6 +345,8 @@ def test_checkpoints_hold_the_draft_only_and_reload_identically(tmp_path):
     for folder in (checkpoint, checkpoint / "zlab"):
         reloaded = DFlashForDrafting.from_pretrained(folder)
         assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in draft.state_dict().items())
+    zlab_head = load_file(checkpoint / "zlab" / "model.safetensors")["lm_head.weight"]  # what vLLM drafts with
+    assert torch.equal(zlab_head, target.get_output_embeddings().weight.detach()[48:96])
     info = json.loads((checkpoint / "training_info.json").read_text())
     assert info["training"]["block_size"] == 8 and info["training"]["steps"] == 3
     assert info["base_model"] == "org/tiny-qwen3"
@@ -533,6 +536,20 @@ def test_a_block_size_that_differs_from_the_drafter_is_refused(tmp_path):
     draft = make_draft(target, block_size=8, num_hidden_layers=1)
     with pytest.raises(ValueError, match="pass block_size=8"):
         DFlashTrainer(model=draft, target=target, args=_args(tmp_path, block_size=4))
+
+
+def test_a_drafter_with_causal_sliding_layers_is_refused(tmp_path):
+    target = make_target("llama")
+    draft = make_draft(
+        target,
+        block_size=8,
+        num_hidden_layers=1,
+        layer_types=["sliding_attention"],
+        sliding_window=16,
+        causal_sliding_attention=True,
+    )
+    with pytest.raises(NotImplementedError, match="causally inside the block"):
+        DFlashTrainer(model=draft, target=target, args=_args(tmp_path, block_size=8))
 
 
 def test_train_command_continues_a_drafter_and_rechooses_its_vocabulary(tmp_path):

@@ -284,6 +284,11 @@ class DFlashTrainer(Trainer):
                 f"DFlashTrainingArguments.block_size is {args.block_size} but the drafter's block size is "
                 f"{model.config.block_size}; pass block_size={model.config.block_size} (it sets the loss decay default)."
             )
+        if model.config.causal_sliding_attention:
+            raise NotImplementedError(
+                "This drafter's sliding-window layers attend causally inside the block (as z-lab's SWA drafters do); "
+                "the training masks are bidirectional inside each block, so it cannot be fine-tuned faithfully here."
+            )
         model.set_attn_implementation(args.attention_backend)
         if data_collator is None:
             data_collator = DataCollatorForDFlash(
@@ -447,7 +452,8 @@ class DFlashTrainer(Trainer):
         draft = self.accelerator.unwrap_model(self.model)
         verify_saved_draft(draft, output_dir)
         if self.args.save_zlab_layout:
-            draft.save_pretrained(Path(output_dir) / "zlab", layout=DFlashLayouts.ZLAB)
+            target = self.accelerator.unwrap_model(self.target)  # its head's rows for a reduced vocabulary
+            draft.save_pretrained(Path(output_dir) / "zlab", layout=DFlashLayouts.ZLAB, target=target)
             verify_saved_draft(draft, Path(output_dir) / "zlab")
         self._write_training_info(output_dir)
 
