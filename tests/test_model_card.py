@@ -118,7 +118,56 @@ def test_serving_points_at_the_zlab_copy():
     assert '"model": "someone/Qwen3-8B-DFlash-b16"' in text
     assert "trust_remote_code" not in text and 'DFlashForDrafting.from_pretrained("someone/' in text
     text = render_model_card(filled_info()).text  # hf-dflash layout only: the card says how to convert
-    assert 'save_pretrained("Qwen3-8B-DFlash-b16-zlab", layout="z-lab")' in text
+    assert 'save_pretrained("Qwen3-8B-DFlash-b16-zlab", layout="z-lab", target=target)' in text
+
+
+def test_block_size_drives_llama_cpp_arguments():
+    text = render_model_card(filled_info(block_size=8)).text
+    assert "--spec-type draft-dflash --spec-draft-n-max 7" in text
+    assert "convert_hf_to_gguf.py Qwen3-8B-DFlash-b16-zlab --target-model-dir" in text
+
+
+@pytest.mark.parametrize(
+    "config, expected, absent",
+    [
+        ({}, [], ["Reduced vocabulary", "bidirectionally", "V2 model runner", "Scaled embedding"]),
+        (
+            {"draft_vocab_size": 8192, "vocab_size": 49152},
+            ["Reduced vocabulary** (8192 of 49152", "full_vocabulary=True"],
+            ["bidirectionally"],
+        ),
+        (
+            {"layer_types": ["sliding_attention", "full_attention"]},
+            ["SGLang runs `sliding_attention` draft layers causally", "VLLM_USE_V2_MODEL_RUNNER=1"],
+            ["Reduced vocabulary"],
+        ),
+        (
+            {"layer_types": ["sliding_attention"] * 2, "causal_sliding_attention": True},
+            [],
+            ["bidirectionally", "V2 model runner"],
+        ),
+        ({"input_embedding_scale": 25.29822}, ["rows by 25.2982", "input_embedding_scale"], ["Reduced vocabulary"]),
+    ],
+)
+def test_serving_notes_say_which_engine_misreads_what(config, expected, absent):
+    serving = section(render_model_card(filled_info(**config)).text, "Serving with vLLM, SGLang and llama.cpp")
+    for phrase in expected:
+        assert phrase in serving
+    for phrase in absent:
+        assert phrase not in serving
+    assert ("What the engines read" in serving) == bool(expected)
+
+
+def test_card_info_reads_the_serving_facts_from_config(tmp_path):
+    target = make_target("gemma3")
+    draft = make_draft(
+        target, draft_vocab_size=40, layer_types=["sliding_attention", "full_attention"], sliding_window=6
+    )
+    draft.save_pretrained(tmp_path)
+    info = card_info_from_folder(tmp_path, base_model="google/gemma-3-270m")
+    assert (info.vocab_size, info.draft_vocab_size) == (96, 40)
+    assert info.layer_types == ["sliding_attention", "full_attention"] and not info.causal_sliding_attention
+    assert info.input_embedding_scale == pytest.approx(8.0)
 
 
 def test_without_measurements_no_numbers_are_made_up():

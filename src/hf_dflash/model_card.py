@@ -76,6 +76,12 @@ class DrafterCardInfo:
     license: str = "apache-2.0"
     layout: str = "hf-dflash"  # checkpoint layout at the repo root: "hf-dflash" or "z-lab"
     zlab_subfolder: str | None = None  # subfolder holding a z-lab-layout copy (what vLLM and SGLang read)
+    # What serving engines must read right (from config.json): the reduced vocabulary, the layers, the embedding scale.
+    vocab_size: int | None = None
+    draft_vocab_size: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    causal_sliding_attention: bool = False
+    input_embedding_scale: float | None = None
     training: dict[str, Any] = field(default_factory=dict)
     acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
     datasets: list[str] = field(default_factory=list)  # dataset repo ids for the metadata
@@ -124,6 +130,7 @@ def render_model_card(info: DrafterCardInfo) -> ModelCard:
         local_dir=local_dir,
         serve_model=serve_model,
         chat_template=info.training.get("chat_template"),
+        serving_notes=_serving_notes(info),
         training_rows=_training_rows(info),
         acceptance_rows=_acceptance_rows(info.acceptance),
     )
@@ -163,6 +170,11 @@ def card_info_from_folder(folder: str | os.PathLike, **overrides: Any) -> Drafte
         "mask_token_id": config.mask_token_id,
         "num_target_layers": config.num_target_layers,
         "layout": layout,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "layer_types": list(config.layer_types),
+        "causal_sliding_attention": config.causal_sliding_attention,
+        "input_embedding_scale": config.input_embedding_scale,
     }
     if (folder / ZLAB_SUBFOLDER / "config.json").is_file():
         values["zlab_subfolder"] = ZLAB_SUBFOLDER
@@ -180,6 +192,39 @@ def card_info_from_folder(folder: str | os.PathLike, **overrides: Any) -> Drafte
             f"{TRAINING_INFO_FILE}."
         )
     return DrafterCardInfo(**values)
+
+
+def _serving_notes(info: DrafterCardInfo) -> list[str]:
+    """What each serving engine reads of this drafter, where one reads it differently from how it was trained (rules
+    read from the engines' loaders: vLLM `qwen3_dflash.py`, SGLang `models/dflash.py`)."""
+    notes = []
+    if info.draft_vocab_size is not None:
+        of_vocab = f" of {info.vocab_size}" if info.vocab_size else ""
+        notes.append(
+            f"**Reduced vocabulary** ({info.draft_vocab_size}{of_vocab} tokens). The z-lab export carries "
+            "`lm_head.weight` (the target head's rows of those tokens) beside `d2t`: vLLM drafts over them as trained. "
+            "SGLang ignores both and drafts over the target's whole head. The authors' reference model and llama.cpp "
+            'take no `d2t`: for them write `save_pretrained(folder, layout="z-lab", full_vocabulary=True)`.'
+        )
+    if "sliding_attention" in info.layer_types and not info.causal_sliding_attention:
+        notes.append(
+            "**Sliding-window layers attend bidirectionally** inside the block, as trained. The export says so "
+            "(`is_causal: false`, `dflash_config.causal: false`), which vLLM reads; SGLang runs `sliding_attention` "
+            "draft layers causally whatever the config says, so expect lower acceptance there."
+        )
+    if len(set(info.layer_types)) > 1:
+        notes.append(
+            "vLLM serves drafters that mix sliding and full-attention layers only with its V2 model runner: set "
+            "`VLLM_USE_V2_MODEL_RUNNER=1`."
+        )
+    if info.input_embedding_scale not in (None, 1.0):
+        notes.append(
+            f"**Scaled embedding.** The target scales its embedding rows by {info.input_embedding_scale:g} and the "
+            "drafter was trained on the scaled rows. The export records it as `dflash_config.input_embedding_scale`, "
+            "which newer readers (DFlash2-style configs) apply; DFlash v1 readers (vLLM's and SGLang's DFlash) embed "
+            "with the raw rows, so expect lower acceptance there."
+        )
+    return notes
 
 
 def _training_rows(info: DrafterCardInfo) -> list[tuple[str, str]]:
