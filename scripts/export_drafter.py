@@ -1,7 +1,11 @@
 """Copy a trained drafter into a smaller dtype for committing or publishing, with its z-lab copy and model card.
 
 python scripts/export_drafter.py runs/smollm2-b8 drafters/smollm2-135m-instruct --dtype bfloat16 \
+    --target smollm2-135m-instruct \
     [--acceptance-json benchmarks/bench_smollm2.json --acceptance-json benchmarks/bench_smollm2_mtbench.json]
+
+`--target` (a packaged target name or a local folder) gives the z-lab copy of a reduced-vocabulary drafter its LM
+head (the target head's rows of the draft vocabulary, which vLLM needs) and records the target's embedding scale.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_dflash import DFlashForDrafting, DFlashLayouts
 from hf_dflash.model_card import card_info_from_folder, write_model_card
+from hf_dflash.modeling_dflash import input_embedding_scale
+from hf_dflash.targets import KNOWN_TARGETS, load_target
 from hf_dflash.trainer import TRAINING_INFO_FILE, verify_saved_draft
 
 
@@ -26,11 +33,16 @@ def main() -> None:
     parser.add_argument(
         "--acceptance-json", action="append", default=[], help="benchmark report whose tau/speed-up go in the card"
     )
+    parser.add_argument("--target", help="the drafter's target: a packaged name or a local folder")
     args = parser.parse_args()
     source, destination = Path(args.source), Path(args.destination)
-    draft = DFlashForDrafting.from_pretrained(source).to(getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    draft = DFlashForDrafting.from_pretrained(source).to(dtype)
+    target = load_export_target(args.target, dtype) if args.target else None
+    if target is not None and draft.config.input_embedding_scale is None:  # drafters saved before it was recorded
+        draft.config.input_embedding_scale = input_embedding_scale(target)
     draft.save_pretrained(destination)
-    draft.save_pretrained(destination / "zlab", layout=DFlashLayouts.ZLAB)
+    draft.save_pretrained(destination / "zlab", layout=DFlashLayouts.ZLAB, target=target)
     verify_saved_draft(draft, destination)
     verify_saved_draft(draft, destination / "zlab")
     info = json.loads((source / TRAINING_INFO_FILE).read_text()) if (source / TRAINING_INFO_FILE).is_file() else {}
@@ -43,6 +55,13 @@ def main() -> None:
     size = sum(path.stat().st_size for path in destination.rglob("*.safetensors")) / 2**20
     print(f"{destination}: {args.dtype}, {size:.1f} MiB of weights (both layouts)")
     shutil.rmtree(destination / ".cache", ignore_errors=True)
+
+
+def load_export_target(name_or_folder: str, dtype: torch.dtype) -> PreTrainedModel:
+    """A packaged target (`hf_dflash.targets`) by name, or a causal LM saved in a local folder."""
+    if name_or_folder in KNOWN_TARGETS:
+        return load_target(name_or_folder, dtype=dtype)[0]
+    return AutoModelForCausalLM.from_pretrained(name_or_folder, dtype=dtype).eval()
 
 
 def acceptance_from_report(path: Path) -> dict:

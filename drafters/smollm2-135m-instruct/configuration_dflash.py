@@ -8,6 +8,11 @@ so its config holds the usual Qwen3 fields (sized like the target) plus four fla
 - `target_layer_ids`: 0-based decoder layers of the target whose outputs (`hidden_states[i + 1]`) feed the draft.
 - `num_target_layers`: how many decoder layers the target has (checked against the target at generation time).
 
+Two fields record what serving engines need to read the drafter the way it was trained: `input_embedding_scale`
+(the factor the target's `get_input_embeddings()` applies to the raw rows; sqrt(hidden) for Gemma 3) and
+`causal_sliding_attention` (whether sliding-window layers attend causally inside the block, as in z-lab's SWA drafters;
+hf-dflash trains every layer bidirectionally).
+
 This file is copied next to the weights by `save_pretrained` and imported by `trust_remote_code` users who do not
 have `hf_dflash` installed: it imports only `transformers` and the standard library.
 """
@@ -20,6 +25,52 @@ from transformers import PreTrainedConfig
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
+
+# What the draft's rotary (Qwen3's) reads from `rope_parameters` for each `rope_type`, besides `rope_type` and
+# `rope_theta` (the keys of transformers' rope validators). `partial_rotary_factor` is never kept: the draft rotates
+# every head dimension, while serving engines would honour the factor and rotate only part of it.
+ROPE_SCALING_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor", "factor"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+}
+# `dflash_config` fields of the z-lab layout that this config reads.
+NESTED_FIELDS = (
+    "mask_token_id",
+    "target_layer_ids",
+    "block_size",
+    "num_target_layers",
+    "causal",
+    "input_embedding_scale",
+)
+
+
+def draft_rope_parameters(rope_parameters: dict) -> dict:
+    """The part of `rope_parameters` the draft's rotary uses: `rope_type`, `rope_theta` and that type's scaling keys.
+
+    Anything else (e.g. a GPT-NeoX target's `partial_rotary_factor: 0.25`) would be read by vLLM and change the
+    rotary it serves, although the draft was trained without it.
+    """
+    rope_type = rope_parameters.get("rope_type", "default")
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported by the draft's rotary embedding (supported: "
+            f"{sorted(ROPE_SCALING_KEYS)}). Pass `rope_parameters={{'rope_type': 'default', 'rope_theta': ...}}`."
+        )
+    kept = ("rope_type", "rope_theta", *ROPE_SCALING_KEYS[rope_type])
+    return {"rope_type": rope_type} | {name: rope_parameters[name] for name in kept if name in rope_parameters}
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -60,9 +111,16 @@ class DFlashConfig(PreTrainedConfig):
             head listed by the draft's `d2t` buffer, vLLM/EAGLE-3 convention: `target_id = draft_id + d2t[draft_id]`);
             `None` drafts over the whole vocabulary. Verification still uses the target's full distribution, so the
             output is unchanged; only the draft's LM-head cost shrinks.
+        input_embedding_scale (`float`, *optional*): the factor by which the target's `get_input_embeddings()` scales
+            the raw embedding rows the block is embedded with (`sqrt(hidden_size)` for Gemma 3, 1.0 for most targets);
+            recorded by `from_target` for serving engines that embed with the raw rows. `None`: not recorded.
+        causal_sliding_attention (`bool`): sliding-window layers attend causally inside the block (z-lab's SWA
+            drafters) instead of bidirectionally (hf-dflash's, and every full-attention layer).
 
     Checkpoints in the published z-lab layout (`model_type: "qwen3"` with a nested `dflash_config`) load into this
-    class too: the nested fields are lifted to the top level.
+    class too: the nested fields are lifted to the top level, and causality is read the way vLLM reads it (top-level
+    `is_causal`, else `dflash_config.causal`, else sliding-window layers are causal). `rope_parameters` keeps only
+    what the draft's rotary uses (`draft_rope_parameters`).
     """
 
     model_type = "dflash"
@@ -95,9 +153,12 @@ class DFlashConfig(PreTrainedConfig):
     target_layer_ids: list[int] | None = None
     num_target_layers: int | None = None
     draft_vocab_size: int | None = None
+    input_embedding_scale: float | None = None
+    causal_sliding_attention: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
         dflash_config = kwargs.pop("dflash_config", None) or {}
+        is_causal = kwargs.pop("is_causal", None)  # written by the z-lab export; hf-dflash keeps it in the flat field
         self._lift_nested_dflash_fields(dflash_config)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -110,16 +171,39 @@ class DFlashConfig(PreTrainedConfig):
         if self.target_layer_ids is None and self.num_target_layers is not None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         super().__post_init__(**kwargs)
+        self.rope_parameters = self._used_rope_parameters()
+        self._read_causality(is_causal, dflash_config)
         self._check_fields()
+
+    def _used_rope_parameters(self) -> dict:
+        kept = draft_rope_parameters(self.rope_parameters)
+        dropped = sorted(set(self.rope_parameters) - set(kept))
+        if dropped:
+            logger.warning(f"Dropping rope_parameters {dropped}: the draft's rotary embedding does not use them.")
+        return kept
+
+    def _read_causality(self, is_causal: bool | None, dflash_config: dict) -> None:
+        """Causality as vLLM reads a z-lab config: `is_causal`, else `dflash_config.causal`, else (z-lab layout only)
+        sliding-window layers are causal. Only sliding layers can be causal here."""
+        explicit = is_causal if is_causal is not None else dflash_config.get("causal")
+        if explicit is None and not dflash_config:
+            return  # hf-dflash layout: the flat field says it
+        if explicit and "full_attention" in self.layer_types:
+            raise ValueError(
+                "This config makes full-attention draft layers causal (`is_causal: true` or `dflash_config.causal: "
+                "true`); DFlash drafters attend bidirectionally inside the block there and hf-dflash implements only "
+                "that. Set `is_causal: false` if the drafter was trained bidirectionally."
+            )
+        self.causal_sliding_attention = "sliding_attention" in self.layer_types and explicit in (None, True)
 
     def _lift_nested_dflash_fields(self, dflash_config: dict) -> None:
         """z-lab checkpoints nest `mask_token_id`/`target_layer_ids` (and sometimes `block_size`) in `dflash_config`."""
-        for name in ("mask_token_id", "target_layer_ids", "num_target_layers"):
+        for name in ("mask_token_id", "target_layer_ids", "num_target_layers", "input_embedding_scale"):
             if getattr(self, name) is None and dflash_config.get(name) is not None:
                 setattr(self, name, dflash_config[name])
         if dflash_config.get("block_size") is not None:  # the nested value is the more specific one
             self.block_size = dflash_config["block_size"]
-        unknown = set(dflash_config) - {"mask_token_id", "target_layer_ids", "block_size", "num_target_layers"}
+        unknown = set(dflash_config) - set(NESTED_FIELDS)
         if unknown:
             logger.warning(f"Ignoring unsupported `dflash_config` fields {sorted(unknown)}.")
 
@@ -153,4 +237,4 @@ class DFlashConfig(PreTrainedConfig):
             )
 
 
-__all__ = ["DFlashConfig", "default_target_layer_ids"]
+__all__ = ["DFlashConfig", "default_target_layer_ids", "draft_rope_parameters"]

@@ -19,6 +19,7 @@ library and its sibling `generation_dflash.py`.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -43,7 +44,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import logging
 
-from .configuration_dflash import DFlashConfig, default_target_layer_ids
+from .configuration_dflash import DFlashConfig, default_target_layer_ids, draft_rope_parameters
 from .generation_dflash import check_target_supported, enable_dflash_generate, token_ids
 
 logger = logging.get_logger(__name__)
@@ -54,6 +55,7 @@ NATIVE_MODEL_TYPE = "muse_glimmer_assistant"
 NATIVE_KEY_MAPPING = {r"^encoder\.fc\.": "fc.", r"^encoder\.output_norm_enc\.": "hidden_norm."}
 WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model")
 MASK_TOKEN_NAME_HINTS = ("mask", "reserved", "unused", "pad", "placeholder")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class DFlashRMSNorm(Qwen3RMSNorm):
@@ -162,19 +164,25 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
 
 
 def key_padding_to_attention_mask(
-    key_padding_mask: torch.Tensor, query_length: int, dtype: torch.dtype, sliding_window: int | None = None
+    key_padding_mask: torch.Tensor,
+    query_length: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Turn a `[b, K]` keep-mask over all keys (cache + context + block) into an additive `[b, 1, B, K]` mask.
 
     The block is the last `query_length` keys. With `sliding_window`, a block slot additionally sees only the keys less
-    than `sliding_window` steps before it (counted in key slots).
+    than `sliding_window` steps before it (counted in key slots); with `causal`, none after it.
     """
     keep = key_padding_mask.bool()[:, None, None, :].expand(-1, 1, query_length, -1)  # [b, 1, B, K]
+    num_keys = key_padding_mask.shape[-1]
+    query_slot = torch.arange(num_keys - query_length, num_keys, device=keep.device)[:, None]
+    key_slot = torch.arange(num_keys, device=keep.device)[None, :]
     if sliding_window is not None:
-        num_keys = key_padding_mask.shape[-1]
-        query_slot = torch.arange(num_keys - query_length, num_keys, device=keep.device)[:, None]
-        key_slot = torch.arange(num_keys, device=keep.device)[None, :]
         keep = keep & (query_slot - key_slot < sliding_window)
+    if causal:
+        keep = keep & (key_slot <= query_slot)
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
@@ -195,18 +203,91 @@ def detect_layout(config_dict: dict) -> str:
     return DFlashLayouts.HF
 
 
-def zlab_config_dict(config: DFlashConfig) -> dict:
-    """The `config.json` that vLLM and SGLang read: Qwen3 fields, top-level `block_size`, nested `dflash_config`."""
+def zlab_config_dict(config: DFlashConfig, full_vocabulary: bool = False) -> dict:
+    """The `config.json` that vLLM, SGLang and llama.cpp's converter read: Qwen3 fields, top-level `block_size`, a
+    nested `dflash_config`, and causality spelled out the way vLLM resolves it.
+
+    `full_vocabulary=True` leaves out `draft_vocab_size` (the engines then draft over the target's whole head).
+    """
     config_dict = config.to_dict()
-    for name in ("auto_map", "_name_or_path", "transformers_version", "mask_token_id", "target_layer_ids"):
+    nested = ("mask_token_id", "target_layer_ids", "input_embedding_scale", "causal_sliding_attention")
+    for name in ("auto_map", "_name_or_path", "transformers_version", *nested):
         config_dict.pop(name, None)
+    if full_vocabulary:
+        config_dict.pop("draft_vocab_size", None)
     config_dict["model_type"] = "qwen3"
     config_dict["architectures"] = [ZLAB_ARCHITECTURE]
     config_dict["rope_theta"] = config.rope_parameters.get("rope_theta")  # engines predating rope_parameters
-    config_dict["dflash_config"] = {"mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids}
+    config_dict["dflash_config"] = {
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": config.target_layer_ids,
+        "input_embedding_scale": config.input_embedding_scale,
+    }
+    if not config.causal_sliding_attention:
+        # vLLM: top-level `is_causal`, then `dflash_config.causal`, else `sliding_attention` layers run causally.
+        # A causal-sliding drafter writes neither, so that rule gives causal sliding and bidirectional full layers.
+        config_dict["is_causal"] = False
+        config_dict["dflash_config"]["causal"] = False
     if "sliding_attention" in config.layer_types:
-        config_dict["use_sliding_window"] = True
+        config_dict["use_sliding_window"] = True  # or transformers' Qwen3Config drops `sliding_window`
     return config_dict
+
+
+def zlab_state_dict(draft: DFlashForDrafting, target: PreTrainedModel | None, full_vocabulary: bool) -> dict:
+    """The drafter's weights in the z-lab layout (CPU, contiguous).
+
+    A reduced draft vocabulary is written as vLLM reads one: `d2t` and the draft's own head `lm_head.weight`
+    (`[draft_vocab_size, H]`, the target head's rows of the draft ids). Without that head vLLM would share the target's
+    full head and misplace its logits. `full_vocabulary=True` writes neither, so engines share the target's head.
+    """
+    state_dict = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()}
+    if draft.config.draft_vocab_size is None:
+        return state_dict
+    if full_vocabulary:
+        del state_dict["d2t"]
+        return state_dict
+    if target is None:
+        raise ValueError(
+            f"This drafter proposes from a reduced vocabulary ({draft.config.draft_vocab_size} tokens), which vLLM reads "
+            "only with the draft's own LM head: pass `target=` (its head's rows are written as `lm_head.weight`), or "
+            "`full_vocabulary=True` to export for readers that draft over the whole vocabulary (SGLang, llama.cpp)."
+        )
+    head = target.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(
+            "The target's LM head has a bias, which the engines' draft head cannot hold; export with "
+            "`full_vocabulary=True` so that they share the target's head."
+        )
+    if head.weight.shape[1] != draft.config.hidden_size:
+        raise ValueError(
+            f"The target's LM head is {tuple(head.weight.shape)}, not [vocab, {draft.config.hidden_size}]: pass the "
+            "target this drafter was built for."
+        )
+    token_ids = draft.draft_token_ids.to(head.weight.device)
+    state_dict["lm_head.weight"] = head.weight.detach()[token_ids].to(draft.dtype).cpu().contiguous()
+    return state_dict
+
+
+def warn_about_zlab_readers(config: DFlashConfig, full_vocabulary: bool) -> None:
+    """Say which serving engine reads this export differently from how the drafter was trained."""
+    if config.draft_vocab_size is not None and not full_vocabulary:
+        logger.warning(
+            f"z-lab export with a reduced draft vocabulary ({config.draft_vocab_size} tokens, `lm_head.weight` + "
+            "`d2t`): vLLM drafts over it as trained; SGLang ignores both and drafts over the target's whole head; "
+            "the authors' reference model and llama.cpp take no `d2t`: export with `full_vocabulary=True` for them."
+        )
+    if "sliding_attention" in config.layer_types and not config.causal_sliding_attention:
+        logger.warning(
+            "This drafter's sliding-window layers attend bidirectionally inside the block. vLLM reads `is_causal: "
+            "false`; SGLang runs `sliding_attention` draft layers causally whatever the config says, so its "
+            "acceptance will be lower than measured here."
+        )
+    if config.input_embedding_scale not in (None, 1.0):
+        logger.warning(
+            f"The target scales its embedding rows by {config.input_embedding_scale:g}; the export records it as "
+            "`dflash_config.input_embedding_scale`, which DFlash v1 readers (vLLM's and SGLang's DFlash) ignore: "
+            "they embed the block with the raw rows, so acceptance there will be lower than measured here."
+        )
 
 
 def write_folder_atomically(save_directory: str | os.PathLike, write: Callable[[Path], None]) -> None:
@@ -238,7 +319,10 @@ class DFlashPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_compile_fullgraph = True
+    _can_compile_fullgraph = True  # tests/test_modeling.py compiles the forward with fullgraph=True
+    # A z-lab export of a reduced-vocabulary drafter carries the target head's rows for vLLM; the drafter itself reads
+    # them from the target at run time.
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\.weight$"]
 
 
 class DFlashForDrafting(DFlashPreTrainedModel):
@@ -253,6 +337,7 @@ class DFlashForDrafting(DFlashPreTrainedModel):
             `[b, 1, B, K]` mask (boolean or additive) / flex `BlockMask` used as is (training), or a dict of those
             per layer type (`{"full_attention": ..., "sliding_attention": ...}`).
         cache: a transformers `Cache` holding the context K/V of earlier calls (e.g. `DFlashCache`).
+        use_cache: `False` runs without `cache` (neither read nor extended); by default a given cache is used.
 
     Returns a `BaseModelOutputWithPast` whose `last_hidden_state` (`[b, B, H]`) is after the final norm.
     """
@@ -341,6 +426,8 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
+        if use_cache is False:
+            cache = None  # neither read nor extended
         batch, block_len, _ = noise_embeds.shape
         context = self.project_context(context_hidden_states.to(noise_embeds.dtype))  # [b, n_ctx, H]
         past_len = cache.get_seq_length() if cache is not None else 0
@@ -350,45 +437,48 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         position_embeddings = self.rotary_emb(noise_embeds, position_ids)
         masks = self._attention_masks(attention_mask, batch, block_len, past_len + context.shape[1] + block_len)
         hidden_states = noise_embeds
-        for layer in self.layers:
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
             hidden_states = layer(
                 hidden_states,
                 context,
                 position_embeddings,
-                attention_mask=masks[layer.self_attn.sliding_window is not None],
+                attention_mask=masks[layer_type],
                 cache=cache,
                 **kwargs,
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
 
-    def _attention_masks(self, attention_mask: Any, batch: int, block_len: int, num_keys: int) -> dict[bool, Any]:
-        """Masks for full (`False`) and sliding (`True`) layers; `None` means every key is visible."""
+    def _attention_masks(self, attention_mask: Any, batch: int, block_len: int, num_keys: int) -> dict[str, Any]:
+        """The mask of each layer type (`"full_attention"`, `"sliding_attention"`); `None` means every key is visible."""
         if isinstance(attention_mask, dict):  # per layer type, e.g. from the training collator
-            full = self._attention_masks(attention_mask["full_attention"], batch, block_len, num_keys)[False]
+            full = self._attention_masks(attention_mask["full_attention"], batch, block_len, num_keys)
             sliding = attention_mask.get("sliding_attention", attention_mask["full_attention"])
-            return {False: full, True: self._attention_masks(sliding, batch, block_len, num_keys)[False]}
+            sliding = self._attention_masks(sliding, batch, block_len, num_keys)
+            return {"full_attention": full["full_attention"], "sliding_attention": sliding["full_attention"]}
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-            return {False: attention_mask, True: attention_mask}  # e.g. a flex BlockMask, built by the caller
+            return dict.fromkeys(LAYER_TYPES, attention_mask)  # e.g. a flex BlockMask, built by the caller
         dtype = self.norm.weight.dtype
         if attention_mask is not None and attention_mask.dim() == 4:
             if attention_mask.dtype == torch.bool:
                 attention_mask = torch.zeros_like(attention_mask, dtype=dtype).masked_fill(
                     ~attention_mask, torch.finfo(dtype).min
                 )
-            return {False: attention_mask, True: attention_mask}
+            return dict.fromkeys(LAYER_TYPES, attention_mask)
         if attention_mask is not None and attention_mask.shape[-1] != num_keys:
             raise ValueError(
                 f"attention_mask covers {attention_mask.shape[-1]} keys but the draft sees {num_keys} "
                 "(cached context + new context + block); pass a keep-mask over all of them."
             )
-        all_visible = attention_mask is None or bool(attention_mask.all())
-        if attention_mask is None:
-            attention_mask = torch.ones(batch, num_keys, dtype=torch.bool, device=self.device)
-        full = None if all_visible else key_padding_to_attention_mask(attention_mask, block_len, dtype)
-        sliding = None
-        if self.config.sliding_window is not None and "sliding_attention" in self.config.layer_types:
-            sliding = key_padding_to_attention_mask(attention_mask, block_len, dtype, self.config.sliding_window)
-        return {False: full, True: sliding}
+        masks = {"full_attention": None, "sliding_attention": None}
+        if attention_mask is not None:  # built whatever it holds: checking `.all()` would sync the host every call
+            masks["full_attention"] = key_padding_to_attention_mask(attention_mask, block_len, dtype)
+        if "sliding_attention" in self.config.layer_types:
+            if attention_mask is None:
+                attention_mask = torch.ones(batch, num_keys, dtype=torch.bool, device=self.norm.weight.device)
+            masks["sliding_attention"] = key_padding_to_attention_mask(
+                attention_mask, block_len, dtype, self.config.sliding_window, self.config.causal_sliding_attention
+            )
+        return masks
 
     # ----------------------------------------------------------------------------------------------------------------
     # Construction from a target
@@ -433,6 +523,7 @@ class DFlashForDrafting(DFlashPreTrainedModel):
             "pad_token_id": text_config.pad_token_id,
         }
         fields.update(overrides)
+        fields.setdefault("input_embedding_scale", input_embedding_scale(target))
         if fields.get("mask_token_id") is None:
             fields["mask_token_id"] = choose_mask_token_id(target, tokenizer)
         config = DFlashConfig(**fields)
@@ -471,32 +562,65 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         return (model, info) if wants_info else model
 
     def save_pretrained(
-        self, save_directory: str | os.PathLike, *args: Any, layout: str = DFlashLayouts.HF, **kwargs: Any
+        self,
+        save_directory: str | os.PathLike,
+        *args: Any,
+        layout: str = DFlashLayouts.HF,
+        target: PreTrainedModel | None = None,
+        full_vocabulary: bool = False,
+        **kwargs: Any,
     ):
-        """Save the drafter (draft weights only: no embedding, no LM head).
+        """Save the drafter (draft weights only: no embedding; an LM head only where an engine needs one).
 
         `layout="hf-dflash"` (default) writes the transformers layout with the remote code, loadable with
         `AutoModel.from_pretrained(path, trust_remote_code=True)`. `layout="z-lab"` writes the published z-lab layout
-        that vLLM (`--speculative-config '{"method": "dflash", ...}'`) and SGLang (`--speculative-algorithm DFLASH`)
-        serve; `DFlashForDrafting.from_pretrained` reads both. Files appear only once fully written.
+        that vLLM (`--speculative-config '{"method": "dflash", ...}'`), SGLang (`--speculative-algorithm DFLASH`) and
+        llama.cpp's `convert_hf_to_gguf.py` read; `DFlashForDrafting.from_pretrained` reads both. Files appear only
+        once fully written.
+
+        z-lab only: `target` is the model this drafter was built for; a drafter with a reduced vocabulary needs it
+        (its head's rows become `lm_head.weight`), as does one that does not record `input_embedding_scale`.
+        `full_vocabulary=True` writes no `d2t` and no head, for readers that take no reduced vocabulary.
         """
         if layout == DFlashLayouts.HF:
+            if target is not None or full_vocabulary:
+                raise ValueError("`target=` and `full_vocabulary=` apply to `layout='z-lab'` only.")
             write_folder_atomically(
                 save_directory, lambda tmp: super(DFlashForDrafting, self).save_pretrained(tmp, *args, **kwargs)
             )
         elif layout == DFlashLayouts.ZLAB:
-            write_folder_atomically(save_directory, self._write_zlab)
+            write_folder_atomically(save_directory, lambda tmp: self._write_zlab(tmp, target, full_vocabulary))
         else:
             raise ValueError(f"Unknown layout {layout!r}; use {DFlashLayouts.HF!r} or {DFlashLayouts.ZLAB!r}.")
 
-    def _write_zlab(self, folder: Path) -> None:
+    def _write_zlab(self, folder: Path, target: PreTrainedModel | None, full_vocabulary: bool) -> None:
         from safetensors.torch import save_file
 
-        state_dict = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
+        config = copy.deepcopy(self.config)
+        config.input_embedding_scale = self._recorded_embedding_scale(target)
+        state_dict = zlab_state_dict(self, target, full_vocabulary)
+        warn_about_zlab_readers(config, full_vocabulary)
         save_file(state_dict, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config_dict = zlab_config_dict(self.config)
+        config_dict = zlab_config_dict(config, full_vocabulary)
         config_dict["dtype"] = str(self.dtype).removeprefix("torch.")
         (folder / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+
+    def _recorded_embedding_scale(self, target: PreTrainedModel | None) -> float:
+        """The target's embedding scale: recorded in the config, measured on `target`, and the two must agree."""
+        recorded = self.config.input_embedding_scale
+        measured = input_embedding_scale(target) if target is not None else None
+        if recorded is not None and measured is not None and abs(recorded - measured) > 1e-3 * abs(recorded):
+            raise ValueError(
+                f"The drafter was built for a target whose embedding scale is {recorded:g}, this one scales by "
+                f"{measured:g}: pass the target this drafter was built for."
+            )
+        scale = recorded if recorded is not None else measured
+        if scale is None:
+            raise ValueError(
+                "The drafter does not record how its target scales embedding rows (`input_embedding_scale`), which "
+                "serving engines need: pass `target=` to the export so it can be measured."
+            )
+        return scale
 
 
 def _hub_kwargs(kwargs: dict) -> dict:
@@ -505,11 +629,25 @@ def _hub_kwargs(kwargs: dict) -> dict:
 
 
 def _target_rope_parameters(text_config: Any) -> dict:
-    """The target's RoPE settings when it has RoPE (copied so positions mean the same), else the Qwen3 default."""
+    """The target's RoPE settings when it has RoPE (so positions mean the same), else the Qwen3 default; only what the
+    draft's rotary uses is kept (`draft_rope_parameters`: no `partial_rotary_factor`)."""
     rope = getattr(text_config, "rope_parameters", None)
     if isinstance(rope, dict) and "rope_theta" in rope:
-        return dict(rope)
+        return draft_rope_parameters(rope)
     return {"rope_type": "default", "rope_theta": 1_000_000.0}
+
+
+def input_embedding_scale(target: PreTrainedModel) -> float | None:
+    """The factor by which `target.get_input_embeddings()` scales its raw rows: `sqrt(hidden_size)` for Gemma 3, 1.0 for
+    most targets; `None` if its output is not a scaled row. The draft's block is embedded through that module."""
+    embedding = target.get_input_embeddings()
+    if getattr(embedding, "embed_scale", None) is not None:
+        return float(embedding.embed_scale)
+    with torch.no_grad():
+        ids = torch.arange(min(8, embedding.weight.shape[0]), device=embedding.weight.device)
+        out, raw = embedding(ids[None])[0].float(), embedding.weight[ids].float()  # [8, H] each
+    scale = float((out * raw).sum() / raw.square().sum().clamp(min=1e-12))
+    return scale if torch.allclose(out, raw * scale, rtol=1e-3, atol=1e-6) else None
 
 
 def choose_mask_token_id(target: PreTrainedModel, tokenizer: Any | None = None) -> int:
