@@ -2,6 +2,8 @@
 
 Marked `slow` (about a minute on 2 cores); `.ci/run` runs it after the default suite."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -81,3 +83,26 @@ def test_demo_command_confirms_identical_output(capsys):
     assert main(["demo", "--max-new-tokens", "24"]) == 0
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert '"identical": true' in last_line
+
+
+def test_committed_drafter_exports_the_real_target_heads_draft_rows(smollm2, tmp_path):
+    """A z-lab export of the committed drafter with SmolLM2 itself carries the head vLLM needs, `[8192, 576]`, equal
+    to the committed `zlab/` copy."""
+    from safetensors.torch import load_file
+
+    from hf_dflash.cli import committed_drafter
+
+    folder = committed_drafter("smollm2-135m-instruct")
+    if folder is None:
+        pytest.skip("no committed SmolLM2 drafter in this checkout")
+    target, _ = smollm2
+    draft = DFlashForDrafting.from_pretrained(folder).eval()
+    draft.save_pretrained(tmp_path, layout="z-lab", target=target)
+    exported = load_file(tmp_path / "model.safetensors")
+
+    assert exported["lm_head.weight"].shape == (8192, 576)
+    rows = target.get_output_embeddings().weight.detach()[draft.draft_token_ids].to(draft.dtype)
+    assert torch.equal(exported["lm_head.weight"], rows)
+    committed = load_file(Path(folder) / "zlab" / "model.safetensors")
+    assert committed.keys() == exported.keys()
+    assert all(torch.equal(committed[name], exported[name]) for name in committed)
