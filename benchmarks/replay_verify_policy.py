@@ -38,9 +38,11 @@ class RecordingCosts(VerifyCosts):
 
     recorded: list[list[float]] = field(default_factory=list)
 
-    def best_num_draft(self, confidences: torch.Tensor) -> int:
-        self.recorded.append(confidences[0].tolist())
-        return confidences.shape[1]
+    def best_num_nodes(self, path_probs: torch.Tensor) -> int:
+        """A chain's path probabilities are the running products of the proposals' confidences: record those."""
+        previous = torch.cat([path_probs.new_ones(path_probs.shape[0], 1), path_probs[:, :-1]], dim=1)
+        self.recorded.append((path_probs / previous)[0].tolist())
+        return path_probs.shape[1]
 
 
 def record_rounds(target, draft, prompts, max_new_tokens: int) -> list[tuple[list[float], int]]:
@@ -50,9 +52,9 @@ def record_rounds(target, draft, prompts, max_new_tokens: int) -> list[tuple[lis
         costs = RecordingCosts(verify=(1.0,) * draft.config.block_size, draft=0.0)
         ids = prompt.input_ids[None]
         out = speculative_generate(
-            target, draft, ids, max_new_tokens=max_new_tokens, do_sample=False, verify_costs=costs
+            target, draft, ids, max_new_tokens=max_new_tokens, do_sample=False, verify_costs=costs, tree=False
         )
-        # the only round without a best_num_draft call is a last one with nothing left to draft
+        # a last step with nothing left to draft is a plain step: neither planned nor counted as a round
         rounds += [(c, length - 1) for c, length in zip(costs.recorded, out.stats.acceptance_lengths)]
     return rounds
 

@@ -113,7 +113,6 @@ def test_report_covers_every_method_and_outputs_are_identical(report):
         assert summary["tau"] >= 1.0
         assert len(summary["tau_histogram"]) == 4 + 1
         full_block = summary["ours_full_block"]  # the same loop verifying every proposal, summarised apart
-        assert full_block["verified_drafts_per_round"] >= summary["verified_drafts_per_round"]
         assert full_block["verified_drafts_per_round"] > 2  # B - 1 = 3 but where the token budget cuts a block
     json.dumps(report)  # JSON-ready
 

@@ -3,12 +3,12 @@ target's own, greedy token for token and sampled by a chi-square test."""
 
 import pytest
 import torch
-from helpers import left_pad, make_draft, make_oracle, make_target
+from helpers import greedy_reference, left_pad, make_draft, make_oracle, make_target
 from test_generation import random_prompt
 from test_sampling import PROMPT, SETTINGS, chi_square_pvalue, exact_joint, peaky_target, random_draft
 
 from hf_dflash import speculative_generate
-from hf_dflash.verify_policy import VerifyCosts, cached_verify_costs, measure_verify_costs
+from hf_dflash.verify_policy import Fallback, VerifyCosts, cached_verify_costs, measure_verify_costs
 
 
 def quadratic_costs(block_size: int, growth: float) -> VerifyCosts:
@@ -37,6 +37,55 @@ def test_best_num_draft_counts_the_draft_cost():
     verify = (1.0, 1.7, 2.2)
     assert VerifyCosts(verify=verify, draft=0.0).best_num_draft(confident) == 0  # 1 > 0.94 > 0.89
     assert VerifyCosts(verify=verify, draft=2.0).best_num_draft(confident) == 2  # 0.33 < 0.43 < 0.47
+
+
+def test_best_num_nodes_counts_every_node_a_tree_may_accept():
+    costs = VerifyCosts(verify=(1.0, 1.1, 1.2, 1.3, 3.0), draft=0.0)
+    chain_probs = torch.tensor([[0.5, 0.25, 0.125]])  # a chain: expected 1.5, 1.75, 1.875, per cost best at 2
+    tree_probs = torch.tensor([[0.5, 0.4, 0.35, 0.3]])  # siblings: expected 1.5, 1.9, 2.25, 2.55
+    assert costs.best_num_nodes(chain_probs) == 2  # 1.75 / 1.2 = 1.46 beats 1.36 and 1.44
+    assert costs.best_num_nodes(tree_probs) == 3  # 2.25 / 1.3 = 1.73 beats 1.9 / 1.2 and 2.55 / 3.0
+    assert costs.best_num_draft(torch.tensor([[0.5, 0.5, 0.5]])) == costs.best_num_nodes(chain_probs)
+
+
+def test_fallback_pauses_drafting_that_does_not_pay_and_backs_off():
+    costs = VerifyCosts(verify=(1.0, 1.5, 2.0), draft=0.5)  # a drafted round verifying 1 node costs 2.0
+    fallback = Fallback(costs, window=4, min_rounds=2, first_backoff=3, max_backoff=6)
+    fallback.record(committed=2, num_rows=1, num_nodes=1)  # 1 token per second: the same as plain decoding
+    assert fallback.should_draft()
+    fallback.record(committed=1, num_rows=1, num_nodes=1)  # 3 tokens in 4 s < 1 per s
+    assert [fallback.should_draft() for _ in range(4)] == [False, False, False, True]
+    fallback.record(committed=1, num_rows=1, num_nodes=1)
+    fallback.record(committed=1, num_rows=1, num_nodes=1)  # the probe failed too: twice the pause
+    assert [fallback.should_draft() for _ in range(7)] == [False] * 6 + [True]
+    for _ in range(4):  # a full window that pays resets the pause
+        fallback.record(committed=3, num_rows=1, num_nodes=1)
+    assert fallback.backoff == 3 and fallback.should_draft()
+
+
+def test_fallback_judges_a_batch_against_plain_decoding_of_every_row():
+    costs = VerifyCosts(verify=(1.0, 1.5), draft=0.0)
+    fallback = Fallback(costs, window=2, min_rounds=2)
+    for _ in range(2):
+        fallback.record(committed=5, num_rows=4, num_nodes=1)  # 5 tokens in 1.5 s < 4 rows per s
+    assert not fallback.should_draft()
+
+
+def test_a_useless_draft_costs_little_more_than_plain_decoding():
+    """A draft that is never right, yet sure of itself: after a few rounds the loop decodes plainly, probing now and
+    then, so its modelled cost stays near plain decoding's. Costs shaped like SmolLM2's on this CPU (a draft 0.13x a
+    step, 2 tokens 1.12x), linear beyond the first step so that the totals give the exact cost."""
+    target = make_target("llama")
+    prompt = random_prompt(10, seed=2)
+    reference = greedy_reference(target, prompt, 200)
+    draft = make_oracle(target, [reference], p_wrong=1.0, block_size=4)
+    costs = VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13)  # verify(n) = 1 + 0.12 (n - 1)
+    out = speculative_generate(target, draft, prompt[None], max_new_tokens=200, verify_costs=costs, tree=False)
+    stats = out.stats
+    assert out.sequences[0].tolist() == reference.tolist()
+    assert stats.plain_steps > 150
+    cost = stats.num_rounds * (0.13 + 1.0) + 0.12 * stats.verified_drafts + stats.plain_steps * 1.0
+    assert cost / (200 - 1) < 1.05  # 199 plain steps after the prefill
 
 
 @pytest.mark.parametrize(

@@ -1,20 +1,28 @@
 """Our own speculative loop: batched, lossless DFlash decoding with acceptance statistics.
 
-One round, for every row at once (B = block size, k <= B - 1 drafted tokens):
+One round, for every row at once (B = block size, S <= B - 1 drafted slots):
 
 1. draft:  one drafter forward over `[bonus, MASK x (B-1)]`, conditioned on the target hidden states of the tokens
-           committed since the last round; keep `k` proposals (argmax, or samples from the draft distribution `q`):
-           all B - 1, or with `verify_costs` only those worth their measured verify cost (`verify_policy`);
-2. verify: one target forward over `[bonus, d_1 .. d_k]`;
-3. accept: greedy keeps the longest prefix where `d_i == argmax p_i`; sampling applies Leviathan et al.'s Algorithm 1
-           (accept `d_i` with probability `min(1, p_i(d_i) / q_i(d_i))`, on rejection sample `norm(max(0, p_i - q_i))`);
-           either way the target then contributes one token (the new bonus), so a round commits `tau = n + 1` tokens;
-4. roll back: crop the target cache to the longest row; shorter rows mask their rejected slots (holes in the
-           attention mask, positions counted over valid tokens only), so every row stays exactly the target's own
-           computation without re-laying the cache out.
+           committed since the last draft (`draft_block`);
+2. plan:   the proposals to verify (`propose`): every slot's argmax (a chain, DFlash as published); with measured
+           `verify_costs`, the best-first nodes of a draft tree (`draft_tree`) or chain worth their cost, possibly
+           none (`verify_policy`); under sampling, a chain of samples of `q` (or the draft's argmax, one-hot `q`);
+3. verify: one target forward over `[bonus, nodes]` (`verify`): a causal mask for a chain, a tree mask and
+           per-node positions (depth from the bonus) for a tree;
+4. accept: greedy keeps the longest path whose tokens are the target's argmax (`accept_greedy`); sampling applies
+           Leviathan et al.'s Algorithm 1 along the chain (`accept_sampled`: accept `d_i` with probability
+           `min(1, p_i(d_i) / q_i(d_i))`, on rejection sample `norm(max(0, p_i - q_i))`); either way the target then
+           contributes one token (the new bonus), so a round commits `tau = n + 1` tokens;
+5. keep:   the target cache keeps the accepted path (`keep_accepted`: cropped for a chain, gathered for a tree), and
+           its hidden states become the draft's next context; rows of a batch that kept fewer tokens than the
+           longest mask the rest (holes in the attention mask, positions counted over valid tokens only), so every row
+           stays exactly the target's own computation.
+
+With `verify_costs`, `Fallback` also skips steps 1-2 while drafting does not pay (a plain decoding step), trying
+again after a pause; the skipped steps' hidden states are kept for the next draft.
 
 Targets with sliding-window attention count their window in cache slots, which holes would shrink; for them a batch
-is decoded row by row (still lossless).
+is decoded row by row (still lossless), with chains only.
 """
 
 from __future__ import annotations
@@ -31,6 +39,15 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.utils import logging
 
+from .draft_tree import (
+    DraftTree,
+    accept_greedy,
+    best_first_tree,
+    chain,
+    keep_path,
+    supports_tree_verification,
+    tree_attention_mask,
+)
 from .generation_dflash import (
     check_draft_fits_target,
     context_features,
@@ -40,9 +57,12 @@ from .generation_dflash import (
     token_ids,
     warp_logits,
 )
-from .verify_policy import VerifyCosts, cached_verify_costs
+from .verify_policy import Fallback, VerifyCosts, cached_verify_costs
 
 logger = logging.get_logger(__name__)
+
+DEFAULT_TREE_NODES = 16  # most nodes the planner considers (the forward costs are measured up to 17 tokens)
+TREE_TOP_K = 8  # candidates per slot a tree is built from
 
 SUPPORTED_GENERATION_FIELDS = {
     "max_new_tokens",
@@ -69,11 +89,22 @@ class SpeculativeStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     new_tokens: int = 0
-    verified_drafts: int = 0  # proposals the target checked, over all rounds (fewer than B - 1 with verify_costs)
+    verified_drafts: int = 0  # proposals (tree nodes) the target checked, over all drafted rounds
+    tree_rounds: int = 0  # drafted rounds that verified a tree (not a chain)
+    plain_steps: int = 0  # steps without a draft (fallback, or one token left): one token per row each
+
+    def record_plan(self, tree: Any, drafted: bool) -> None:
+        """Count a round: a drafted one verifying `tree`, or a plain step."""
+        if not drafted:
+            self.plain_steps += 1
+            return
+        self.num_rounds += 1
+        self.verified_drafts += tree.num_nodes
+        self.tree_rounds += int(not tree.is_chain)
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length (tokens committed per target verify forward)."""
+        """Mean acceptance length of the drafted rounds (tokens committed per target verify forward)."""
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
 
     @property
@@ -95,7 +126,8 @@ class SpeculativeStats:
         """Add another run's counts and times to this one (used when a batch is decoded row by row)."""
         self.acceptance_lengths += other.acceptance_lengths
         self.block_size = max(self.block_size, other.block_size)
-        for name in ("num_rounds", "prefill_time_s", "draft_time_s", "verify_time_s", "new_tokens", "verified_drafts"):
+        counts = ("num_rounds", "prefill_time_s", "draft_time_s", "verify_time_s", "new_tokens", "verified_drafts")
+        for name in (*counts, "tree_rounds", "plain_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
 
@@ -109,6 +141,8 @@ class SpeculativeStats:
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
             "verified_drafts_per_round": self.verified_drafts_per_round,
+            "tree_rounds": self.tree_rounds,
+            "plain_steps": self.plain_steps,
         }
 
 
@@ -131,6 +165,8 @@ def speculative_generate(
     streamer: Any | None = None,
     generation_config: GenerationConfig | None = None,
     verify_costs: VerifyCosts | str | None = None,
+    tree: bool | int | None = None,
+    sample_proposals: bool = True,
     **generation_kwargs: Any,
 ) -> SpeculativeOutput:
     """Generate with `target`, drafting with the DFlash `draft`; the output is exactly the target's own.
@@ -144,10 +180,17 @@ def speculative_generate(
         generation_config / generation_kwargs: `max_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
             `min_p`, `eos_token_id`, `pad_token_id`; defaults come from `target.generation_config`.
         verify_costs: `None` verifies every proposal of the block (DFlash as published: right where verifying a
-            block costs about one token, as on a GPU). `"auto"` measures the target's forward time over 1 .. B
-            tokens once (about a second on a CPU; cached per target) and each round verifies only as many
-            proposals as pay for their cost given the draft's confidence (`hf_dflash.verify_policy`); or pass
+            block costs about one token, as on a GPU). `"auto"` measures the target's forward time over 1 .. n
+            tokens once (about a second on a CPU; cached per target) and plans each round from the draft's own
+            probabilities: a draft tree, a chain or no proposal at all, whichever brings the most expected tokens per
+            second, and plain decoding steps while drafting does not pay (`hf_dflash.verify_policy`); or pass
             measured `VerifyCosts`. The output is the target's own either way.
+        tree: draft trees for greedy decoding, on targets that verify one exactly (`draft_tree`; not
+            sliding-window targets). `None`: with `verify_costs`, trees of up to 16 nodes when the target supports
+            them, else chains; `False`: chains only; an int `N`: trees of up to `N` nodes with `verify_costs`, and
+            without costs a fixed best-first tree of `N` nodes every round.
+        sample_proposals: under sampling, propose samples of the draft distribution `q` (`True`) or its argmax with
+            a one-hot `q` (`False`, as vLLM does by default); both are lossless, and acceptance differs.
 
     Returns:
         `SpeculativeOutput` with the sequences, the new-token counts and `SpeculativeStats` (tau, histogram, times).
@@ -161,18 +204,61 @@ def speculative_generate(
         attention_mask = torch.ones_like(input_ids)
     max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
     row_by_row = batch_size > 1 and _has_sliding_window(target)
-    costs = _resolve_verify_costs(target, draft, verify_costs, 1 if row_by_row else batch_size)
+    max_tree_nodes = _max_tree_nodes(target, tree, bool(config.do_sample), verify_costs is not None)
+    max_tokens = max(draft.config.block_size, max_tree_nodes + 1)
+    costs = _resolve_verify_costs(target, draft, verify_costs, 1 if row_by_row else batch_size, max_tokens)
+    parameters = inspect.signature(target.forward).parameters
+    setup = _Setup(
+        target=target,
+        draft=draft,
+        max_new_tokens=max_new_tokens,
+        do_sample=bool(config.do_sample),
+        warpers=_sampling_warpers(config) if config.do_sample else LogitsProcessorList(),
+        eos_ids=token_ids(config.eos_token_id),
+        pad_token_id=pad_token_id_of(config),
+        pass_positions="position_ids" in parameters,
+        pass_logits_to_keep="logits_to_keep" in parameters,
+        verify_costs=costs,
+        max_tree_nodes=max_tree_nodes,
+        sample_proposals=sample_proposals,
+    )
     if row_by_row:
-        return _generate_row_by_row(target, draft, input_ids, attention_mask, config, max_new_tokens, costs)
-    loop = _SpeculativeLoop(target, draft, config, max_new_tokens, streamer, costs)
-    return loop.run(input_ids, attention_mask)
+        return _generate_row_by_row(setup, input_ids, attention_mask)
+    return _decode(setup, input_ids, attention_mask, streamer)
 
 
-def _resolve_verify_costs(target, draft, verify_costs, batch_size: int) -> VerifyCosts | None:
+def _max_tree_nodes(target: PreTrainedModel, tree: bool | int | None, do_sample: bool, costed: bool) -> int:
+    """How many nodes a round may verify as a tree; 0: chains (see `speculative_generate`'s `tree`)."""
+    if tree is None:
+        wanted = DEFAULT_TREE_NODES if costed and not do_sample else 0
+    elif tree is True:
+        wanted = DEFAULT_TREE_NODES
+    else:
+        wanted = int(tree)
+    if wanted < 0:
+        raise ValueError(f"tree must be None, a bool or a number of nodes >= 0, got {tree!r}.")
+    if wanted == 0:
+        return 0
+    reason = None
+    if do_sample:
+        reason = "draft trees are verified for greedy decoding only (sampling verifies chains)"
+    elif _has_sliding_window(target):
+        reason = "the target has sliding-window attention, whose window a tree's positions would break"
+    elif not supports_tree_verification(target):
+        reason = "the target does not verify a tree exactly in one forward (a 4D attention mask and positions)"
+    if reason is None:
+        return wanted
+    if tree is None:  # the default quietly falls back to chains
+        logger.info(f"Verifying chains: {reason}.")
+        return 0
+    raise ValueError(f"tree={tree!r} cannot be used: {reason}. Pass tree=False (chains).")
+
+
+def _resolve_verify_costs(target, draft, verify_costs, batch_size: int, max_tokens: int) -> VerifyCosts | None:
     if verify_costs is None or isinstance(verify_costs, VerifyCosts):
         return verify_costs
     if verify_costs == "auto":
-        return cached_verify_costs(target, draft, batch_size)
+        return cached_verify_costs(target, draft, batch_size, max_tokens)
     raise ValueError(f"verify_costs must be None, 'auto' or a VerifyCosts, got {verify_costs!r}.")
 
 
@@ -202,18 +288,16 @@ def _has_sliding_window(target: PreTrainedModel) -> bool:
     )
 
 
-def _generate_row_by_row(target, draft, input_ids, attention_mask, config, max_new_tokens, costs) -> SpeculativeOutput:
+def _generate_row_by_row(setup: _Setup, input_ids, attention_mask) -> SpeculativeOutput:
     logger.info("Target uses sliding-window attention: decoding the batch row by row to stay lossless.")
     rows, counts, stats = [], [], SpeculativeStats()
     for row_ids, row_mask in zip(input_ids, attention_mask):
         prompt = row_ids[row_mask.bool()][None]  # strip the left padding
-        loop = _SpeculativeLoop(target, draft, config, max_new_tokens, None, costs)
-        out = loop.run(prompt, torch.ones_like(prompt))
+        out = _decode(setup, prompt, torch.ones_like(prompt), None)
         rows.append(out.sequences[0, prompt.shape[1] :])
         counts.append(out.num_new_tokens[0])
         stats.merge(out.stats)
-    pad = pad_token_id_of(config)
-    generated = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
+    generated = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=setup.pad_token_id)
     return SpeculativeOutput(torch.cat([input_ids, generated], dim=1), counts, stats)
 
 
@@ -231,214 +315,330 @@ def _sampling_warpers(config: GenerationConfig) -> LogitsProcessorList:
     return warpers
 
 
-class _SpeculativeLoop:
-    """State of one batched run; `run` reads top to bottom: prefill, then draft / verify / accept / roll back."""
+@dataclass(frozen=True)
+class _Setup:
+    """What a run needs and never changes: the models, the generation settings and the verify policy."""
 
-    def __init__(
-        self,
-        target,
-        draft,
-        config: GenerationConfig,
-        max_new_tokens: int,
-        streamer: Any | None,
-        verify_costs: VerifyCosts | None = None,
-    ):
-        self.target, self.draft, self.streamer, self.verify_costs = target, draft, streamer, verify_costs
-        self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
-        self.layer_ids = list(draft.config.target_layer_ids)
-        self.block_size = draft.config.block_size
-        self.mask_token_id = draft.config.mask_token_id
-        self.max_new_tokens = max_new_tokens
-        self.do_sample = bool(config.do_sample)
-        self.warpers = _sampling_warpers(config) if self.do_sample else LogitsProcessorList()
-        self.eos_ids = token_ids(config.eos_token_id)
-        self.pad_token_id = pad_token_id_of(config)
-        parameters = inspect.signature(target.forward).parameters
-        self.pass_positions = "position_ids" in parameters
-        self.pass_logits_to_keep = "logits_to_keep" in parameters
-        self.stats = SpeculativeStats(block_size=self.block_size)
+    target: PreTrainedModel
+    draft: PreTrainedModel
+    max_new_tokens: int
+    do_sample: bool
+    warpers: LogitsProcessorList
+    eos_ids: list[int]
+    pad_token_id: int
+    pass_positions: bool  # the target's forward takes `position_ids`
+    pass_logits_to_keep: bool  # ... and `logits_to_keep`
+    verify_costs: VerifyCosts | None
+    max_tree_nodes: int  # 0: chains only
+    sample_proposals: bool  # sampling: propose samples of q (True) or the draft's argmax with a one-hot q
 
-    def run(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> SpeculativeOutput:
-        batch = input_ids.shape[0]
-        self.generated: list[list[int]] = [[] for _ in range(batch)]
-        self.done = torch.zeros(batch, dtype=torch.bool)
-        if self.streamer is not None:
-            self.streamer.put(input_ids.cpu())
-        bonus = self._prefill(input_ids, attention_mask)
-        self._commit([[token] for token in bonus.tolist()], count_round=False)
-        while not bool(self.done.all()):
-            bonus = self._round(bonus)
-        if self.streamer is not None:
-            self.streamer.end()
-        return self._output(input_ids)
+    @property
+    def block_size(self) -> int:
+        return self.draft.config.block_size
 
-    # -- steps -------------------------------------------------------------------------------------------------------
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.draft.config.target_layer_ids)
 
-    def _prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> torch.LongTensor:
-        start = synchronized_clock(input_ids.device)
-        self.cache = DynamicCache(config=self.target.config)
-        self.cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
-        self.draft_cache = DynamicCache(config=self.draft.config)
-        self.draft_cache.activate_past_recording()
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self._target_forward(input_ids, attention_mask, positions, logits_to_keep=1)
-        self.key_mask = attention_mask.long()  # [b, C]: which target cache slots hold real tokens
-        self.draft_key_mask = attention_mask.new_zeros(input_ids.shape[0], 0).long()
-        self.next_position = attention_mask.long().sum(-1)  # [b]: position of the bonus token
-        self._stage_context(out.hidden_states, attention_mask.long(), positions)
-        bonus = self._pick(out.logits[:, -1:].float())[:, 0]
-        self.stats.prefill_time_s += synchronized_clock(input_ids.device) - start
-        return bonus
 
-    def _round(self, bonus: torch.LongTensor) -> torch.LongTensor:
-        """Draft, verify, accept and roll back once; returns the new bonus tokens `[b]`."""
-        remaining = max(self.max_new_tokens - len(g) for g, d in zip(self.generated, self.done.tolist()) if not d)
-        num_draft = max(min(self.block_size - 1, remaining - 1), 0)
-        start = synchronized_clock(bonus.device)
-        draft_ids, q, confidence = self._draft(bonus, num_draft)  # [b, k], [b, k, V] or None, [b, k] or None
-        if confidence is not None:  # keep only the proposals worth their verify cost, judged on unfinished rows
-            num_draft = self.verify_costs.best_num_draft(confidence[~self.done])
-            draft_ids, q = draft_ids[:, :num_draft], None if q is None else q[:, :num_draft]
-        self.stats.verified_drafts += num_draft
-        verify_start = synchronized_clock(bonus.device)  # the draft's queued work ends here, not inside verify
-        self.stats.draft_time_s += verify_start - start
-        verify_ids = torch.cat([bonus[:, None], draft_ids], dim=1)  # [b, k + 1]
-        positions = self.next_position[:, None] + torch.arange(num_draft + 1, device=bonus.device)
-        key_mask = torch.cat([self.key_mask, self.key_mask.new_ones(verify_ids.shape)], dim=1)
-        out = self._target_forward(verify_ids, key_mask, positions)
-        num_accepted, new_bonus = self._accept(draft_ids, q, out.logits.float())
-        self._roll_back(out.hidden_states, positions, num_accepted + 1, num_draft + 1)
-        self.stats.verify_time_s += synchronized_clock(bonus.device) - verify_start
-        accepted = [ids[:n] + [b] for ids, n, b in zip(draft_ids.tolist(), num_accepted.tolist(), new_bonus.tolist())]
-        self._commit(accepted, count_round=True)
-        return new_bonus
+@dataclass
+class DecodeState:
+    """Everything a batched run carries from one round to the next (`b` rows, `C` target cache slots)."""
 
-    def _draft(
-        self, bonus: torch.LongTensor, num_draft: int
-    ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor | None]:
-        """`k` proposals `[b, k]`, their distributions `q` `[b, k, V]` (sampling only) and, with `verify_costs`,
-        the draft's probability of its own most likely token at each slot `[b, k]` (which decides how many to verify)."""
-        batch = bonus.shape[0]
-        if num_draft == 0:
-            return bonus.new_zeros(batch, 0), None, None
-        block_positions = self.next_position[:, None] + torch.arange(self.block_size, device=bonus.device)
-        out = self.draft(
-            noise_embeds=self.embed_tokens(noise_block(bonus[:, None], self.block_size, self.mask_token_id)),
-            context_hidden_states=self.context,
-            position_ids=torch.cat([self.context_positions, block_positions], dim=1),
-            attention_mask=torch.cat(
-                [self.draft_key_mask, self.context_mask, self.context_mask.new_ones(batch, self.block_size)], dim=1
-            ),
-            cache=self.draft_cache,
-        )
-        self.draft_cache.crop(-self.block_size)  # keep context K/V only
-        self.draft_key_mask = torch.cat([self.draft_key_mask, self.context_mask], dim=1)
-        hidden = out.last_hidden_state[:, 1 : 1 + num_draft]
-        costed = self.verify_costs is not None
-        if not self.do_sample:  # argmax over the draft vocabulary, mapped to target ids
-            logits = self.draft.draft_logits(hidden, self.lm_head)  # [b, k, V_d]
-            confidence = logits.float().softmax(-1).amax(-1) if costed else None
-            return self.draft.to_target_ids(logits.argmax(-1)), None, confidence
-        logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden)  # [b, k, V]
-        q = warp_logits(logits, bonus[:, None], self.warpers).softmax(-1)
-        # confidence from q alone, before sampling: how many to verify must not depend on the sampled tokens
-        confidence = q.amax(-1) if costed else None
-        return torch.multinomial(q.flatten(0, 1), 1).view(batch, num_draft), q, confidence
+    cache: DynamicCache  # the target's
+    key_mask: torch.Tensor  # [b, C]: which target cache slots hold committed tokens
+    next_position: torch.LongTensor  # [b]: position of each row's bonus token
+    draft_cache: DynamicCache  # the drafter's: context K/V of the tokens it has read
+    draft_key_mask: torch.Tensor  # [b, C_d]
+    context: torch.Tensor  # [b, n, taps * H]: target features of committed tokens the drafter has not read yet
+    context_mask: torch.Tensor  # [b, n]
+    context_positions: torch.LongTensor  # [b, n]
+    bonus: torch.LongTensor  # [b]: the last committed token, not yet in the target cache
+    generated: list[list[int]]
+    done: torch.Tensor  # [b] bool, on the CPU
 
-    def _accept(
-        self, draft_ids: torch.LongTensor, q: torch.Tensor | None, target_logits: torch.Tensor
-    ) -> tuple[torch.LongTensor, torch.LongTensor]:
-        """Number of accepted drafts `n` per row and the target's token after them (the new bonus)."""
-        num_draft = draft_ids.shape[1]
-        if not self.do_sample:
-            target_ids = target_logits.argmax(-1)  # [b, k + 1]
-            matches = (draft_ids == target_ids[:, :num_draft]).long()
-            num_accepted = matches.cumprod(-1).sum(-1)
-            return num_accepted, target_ids.gather(1, num_accepted[:, None])[:, 0]
-        batch, _, vocab = target_logits.shape
-        p = self.warpers(draft_ids.new_zeros(batch * (num_draft + 1), 1), target_logits.flatten(0, 1)).softmax(-1)
-        p = p.view(batch, num_draft + 1, vocab)
-        if num_draft == 0:
-            return draft_ids.new_zeros(batch), torch.multinomial(p[:, 0], 1)[:, 0]
-        p_draft = p[:, :num_draft].gather(-1, draft_ids[..., None])[..., 0]  # [b, k]
-        q_draft = q.gather(-1, draft_ids[..., None])[..., 0]
-        accept = torch.rand_like(p_draft) * q_draft < p_draft  # u < p / q, without dividing by zero
-        num_accepted = accept.long().cumprod(-1).sum(-1)
-        rows = torch.arange(batch)
-        residual = p[rows, num_accepted].clone()  # all accepted: sample the bonus from p_k itself
-        rejected = num_accepted < num_draft
-        q_at = q[rows, num_accepted.clamp(max=num_draft - 1)]
-        residual[rejected] = (residual[rejected] - q_at[rejected]).clamp(min=0)
-        residual = residual / residual.sum(-1, keepdim=True)
-        return num_accepted, torch.multinomial(residual, 1)[:, 0]
+    def add_context(self, features: torch.Tensor, mask: torch.Tensor, positions: torch.LongTensor) -> None:
+        """Queue committed tokens' target features for the next draft forward."""
+        self.context = torch.cat([self.context, features], dim=1)
+        self.context_mask = torch.cat([self.context_mask, mask], dim=1)
+        self.context_positions = torch.cat([self.context_positions, positions], dim=1)
 
-    def _roll_back(self, hidden_states: tuple, positions: torch.LongTensor, keep: torch.LongTensor, fed: int) -> None:
-        """Crop the target cache to the longest kept row; mask the rejected slots of the others."""
-        longest = int(keep.max())
-        self.cache.crop(-(fed - longest))
-        kept = (torch.arange(longest, device=keep.device)[None, :] < keep[:, None]).long()  # [b, longest]
-        self.key_mask = torch.cat([self.key_mask, kept], dim=1)
-        self.next_position = self.next_position + keep
-        self._stage_context(hidden_states, kept, positions[:, :longest])
+    def take_context(self) -> tuple[torch.Tensor, torch.Tensor, torch.LongTensor]:
+        """The queued features, mask and positions; the queue is then empty."""
+        taken = self.context, self.context_mask, self.context_positions
+        self.context, self.context_mask, self.context_positions = (t[:, :0] for t in taken)
+        return taken
 
-    def _stage_context(self, hidden_states: tuple, mask: torch.Tensor, positions: torch.LongTensor) -> None:
-        """Remember the newly committed tokens' target features for the next draft forward."""
-        self.context = context_features(hidden_states, self.layer_ids, mask.shape[1])
-        self.context_mask = mask
-        self.context_positions = positions
 
-    # -- helpers -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Proposal:
+    """What a round verifies: the nodes (`tree`, possibly empty) and, under sampling, their distributions `q`."""
 
-    def _target_forward(self, input_ids, attention_mask, positions, logits_to_keep: int | None = None):
-        kwargs = {"position_ids": positions} if self.pass_positions else {}
-        if logits_to_keep is not None and self.pass_logits_to_keep:
-            kwargs["logits_to_keep"] = logits_to_keep
-        return self.target(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=[i + 1 for i in self.layer_ids],
-            **kwargs,
-        )
+    tree: DraftTree
+    q: torch.Tensor | None = None  # [b, N, V], sampling only (a chain)
+    drafted: bool = True  # False: a plain step that skipped the draft
 
-    def _pick(self, logits: torch.Tensor) -> torch.LongTensor:
-        """`[b, t, V]` target logits -> `[b, t]` tokens, greedy or sampled from the warped distribution."""
-        if not self.do_sample:
-            return logits.argmax(-1)
-        probs = warp_logits(logits, logits.new_zeros(logits.shape[0], 1).long(), self.warpers).softmax(-1)
-        return torch.multinomial(probs.flatten(0, 1), 1).view(logits.shape[:2])
 
-    def _commit(self, tokens_per_row: list[list[int]], count_round: bool) -> None:
-        """Append each unfinished row's new tokens, stopping at EOS or the token budget."""
-        for row, tokens in enumerate(tokens_per_row):
-            if self.done[row]:
-                continue
-            generated = self.generated[row]
-            room = self.max_new_tokens - len(generated)
-            tokens = tokens[:room]
-            stop = next((i for i, token in enumerate(tokens) if token in self.eos_ids), None)
-            if stop is not None:
-                tokens = tokens[: stop + 1]
-            generated += tokens
-            if count_round:
-                self.stats.acceptance_lengths.append(len(tokens))
-            if stop is not None or len(generated) >= self.max_new_tokens:
-                self.done[row] = True
-            if self.streamer is not None and tokens:
-                self.streamer.put(torch.tensor(tokens))
+def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Tensor, streamer) -> SpeculativeOutput:
+    """Prefill, then rounds of draft / plan / verify / accept / keep until every row is done."""
+    stats = SpeculativeStats(block_size=setup.block_size)
+    fallback = Fallback(setup.verify_costs) if setup.verify_costs is not None else None
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    state = prefill(setup, input_ids, attention_mask, stats)
+    commit(setup, state, [[token] for token in state.bonus.tolist()], stats, streamer, count_round=False)
+    while not bool(state.done.all()):
+        start = synchronized_clock(state.bonus.device)
+        drafting = fallback is None or fallback.should_draft()
+        proposal = propose(setup, state) if drafting else _plain_step(state)
+        verify_start = synchronized_clock(state.bonus.device)  # the draft's queued work ends here
+        stats.draft_time_s += verify_start - start
+        out = verify(setup, state, proposal.tree)
+        path, lengths, new_bonus = accept(setup, proposal, out.logits.float())
+        tokens = keep_accepted(setup, state, proposal.tree, out.hidden_states, path, lengths)
+        stats.verify_time_s += synchronized_clock(state.bonus.device) - verify_start
+        active = int((~state.done).sum())
+        accepted = [row[: n - 1] + [b] for row, n, b in zip(tokens.tolist(), lengths.tolist(), new_bonus.tolist())]
+        committed = commit(setup, state, accepted, stats, streamer, count_round=proposal.drafted)
+        stats.record_plan(proposal.tree, drafted=proposal.drafted)
+        if fallback is not None and proposal.drafted:
+            fallback.record(committed, active, proposal.tree.num_nodes)
+        state.bonus = new_bonus
+    if streamer is not None:
+        streamer.end()
+    return _output(setup, state, input_ids, stats)
+
+
+# -- steps -----------------------------------------------------------------------------------------------------------
+
+
+def prefill(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Tensor, stats) -> DecodeState:
+    """The target reads the prompts; its token after them is the first bonus."""
+    start = synchronized_clock(input_ids.device)
+    cache = DynamicCache(config=setup.target.config)
+    cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
+    draft_cache = DynamicCache(config=setup.draft.config)
+    draft_cache.activate_past_recording()
+    mask = attention_mask.long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = target_forward(setup, cache, input_ids, mask, positions, logits_to_keep=1)
+    features = context_features(out.hidden_states, setup.layer_ids, input_ids.shape[1])
+    batch = input_ids.shape[0]
+    state = DecodeState(
+        cache=cache,
+        key_mask=mask,
+        next_position=mask.sum(-1),
+        draft_cache=draft_cache,
+        draft_key_mask=mask.new_zeros(batch, 0),
+        context=features,
+        context_mask=mask,
+        context_positions=positions,
+        bonus=_pick(setup, out.logits[:, -1:].float())[:, 0],
+        generated=[[] for _ in range(batch)],
+        done=torch.zeros(batch, dtype=torch.bool),
+    )
+    stats.prefill_time_s += synchronized_clock(input_ids.device) - start
+    return state
+
+
+def draft_block(setup: _Setup, state: DecodeState) -> torch.Tensor:
+    """One drafter forward over `[bonus, MASK x (B-1)]` after the queued context; returns `[b, B, H]` hidden states
+    and leaves only context K/V in the draft cache."""
+    context, context_mask, context_positions = state.take_context()
+    batch = state.bonus.shape[0]
+    block = noise_block(state.bonus[:, None], setup.block_size, setup.draft.config.mask_token_id)
+    block_positions = state.next_position[:, None] + torch.arange(setup.block_size, device=block.device)
+    out = setup.draft(
+        noise_embeds=setup.target.get_input_embeddings()(block),
+        context_hidden_states=context,
+        position_ids=torch.cat([context_positions, block_positions], dim=1),
+        attention_mask=torch.cat(
+            [state.draft_key_mask, context_mask, context_mask.new_ones(batch, setup.block_size)], 1
+        ),
+        cache=state.draft_cache,
+    )
+    state.draft_cache.crop(-setup.block_size)  # keep context K/V only
+    state.draft_key_mask = torch.cat([state.draft_key_mask, context_mask], dim=1)
+    return out.last_hidden_state
+
+
+def propose(setup: _Setup, state: DecodeState) -> Proposal:
+    """Draft once and choose what to verify (see the module docstring, step 2)."""
+    remaining = max(setup.max_new_tokens - len(g) for g, d in zip(state.generated, state.done.tolist()) if not d)
+    num_slots = max(min(setup.block_size - 1, remaining - 1), 0)
+    if num_slots == 0:  # one token left: the target's own next token is all a round can commit
+        return _plain_step(state)
+    hidden = draft_block(setup, state)[:, 1 : 1 + num_slots]  # [b, S, H]
+    if setup.do_sample:
+        return _sampled_chain(setup, state, hidden)
+    logits = setup.draft.draft_logits(hidden, setup.target.get_output_embeddings())  # [b, S, V_d]
+    probs = logits.float().softmax(-1)
+    if setup.max_tree_nodes:
+        top_probs, top_index = probs.topk(min(TREE_TOP_K, probs.shape[-1]), dim=-1)  # [b, S, K]
+        candidates = best_first_tree(setup.draft.to_target_ids(top_index), top_probs, setup.max_tree_nodes)
+    else:
+        top_probs, top_index = probs.max(-1)
+        candidates = chain(setup.draft.to_target_ids(top_index), top_probs)
+    return Proposal(_planned(setup, state, candidates))
+
+
+def _sampled_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> Proposal:
+    """A chain of samples of the draft distributions `q` (or their argmax, with `q` one-hot), its length planned from
+    `q` alone before anything is sampled."""
+    logits = draft_logits_full_vocabulary(setup.draft, setup.target.get_output_embeddings(), hidden)  # [b, S, V]
+    q = warp_logits(logits, state.bonus[:, None], setup.warpers).softmax(-1)
+    batch, num_slots, vocab = q.shape
+    confidence = q.amax(-1)  # [b, S]: decides the chain's length before anything is sampled
+    if setup.sample_proposals:
+        tokens = torch.multinomial(q.flatten(0, 1), 1).view(batch, num_slots)
+    else:
+        tokens = q.argmax(-1)
+        q = torch.nn.functional.one_hot(tokens, vocab).to(q.dtype)
+    tree = _planned(setup, state, chain(tokens, confidence))
+    return Proposal(tree, q[:, : tree.num_nodes])
+
+
+def _planned(setup: _Setup, state: DecodeState, candidates: DraftTree) -> DraftTree:
+    """The first nodes of the best-first `candidates` worth their verify cost (all of them without costs)."""
+    if setup.verify_costs is None:
+        return candidates
+    unfinished = ~state.done.to(candidates.path_probs.device)
+    return candidates.first(setup.verify_costs.best_num_nodes(candidates.path_probs[unfinished]))
+
+
+def _plain_step(state: DecodeState) -> Proposal:
+    """Verify the bonus alone: one plain decoding step, no draft."""
+    empty = state.bonus.new_zeros(state.bonus.shape[0], 0)
+    return Proposal(DraftTree(empty, empty, empty, empty.float()), drafted=False)
+
+
+def verify(setup: _Setup, state: DecodeState, tree: DraftTree):
+    """One target forward over `[bonus, nodes]` `[b, N + 1]`, each node at position bonus + depth."""
+    ids = torch.cat([state.bonus[:, None], tree.tokens], dim=1)
+    depths = torch.cat([tree.depths.new_zeros(ids.shape[0], 1), tree.depths], dim=1)
+    positions = state.next_position[:, None] + depths
+    if tree.is_chain:
+        mask = torch.cat([state.key_mask, state.key_mask.new_ones(ids.shape)], dim=1)
+    else:
+        mask = tree_attention_mask(state.key_mask, tree.parents, setup.target.dtype)
+    return target_forward(setup, state.cache, ids, mask, positions)
+
+
+def accept(setup: _Setup, proposal: Proposal, target_logits: torch.Tensor):
+    """`(path [b, L], lengths [b], new_bonus [b])`: the accepted path as verify-input indices (0 = the bonus, rows
+    padded past their length) and the target's token after it."""
+    if not setup.do_sample:
+        return accept_greedy(proposal.tree, target_logits.argmax(-1))
+    p = _target_probs(setup, target_logits)
+    num_accepted, new_bonus = accept_sampled(proposal.tree.tokens, p, proposal.q)
+    lengths = num_accepted + 1
+    steps = torch.arange(int(lengths.max()), device=lengths.device)
+    return torch.minimum(steps[None], (lengths - 1)[:, None]), lengths, new_bonus
+
+
+def _target_probs(setup: _Setup, target_logits: torch.Tensor) -> torch.Tensor:
+    """`[b, k + 1, V]` warped target distributions `p`, as `generate` samples them."""
+    batch, length, vocab = target_logits.shape
+    flat_ids = target_logits.new_zeros(batch * length, 1).long()  # warpers ignore the ids
+    return setup.warpers(flat_ids, target_logits.flatten(0, 1)).softmax(-1).view(batch, length, vocab)
+
+
+def accept_sampled(
+    draft_ids: torch.LongTensor, p: torch.Tensor, q: torch.Tensor | None
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Speculative sampling along a chain (Leviathan et al., Algorithm 1): `draft_ids` `[b, k]` drawn from `q`
+    `[b, k, V]`, target distributions `p` `[b, k + 1, V]` -> accepted counts `n` `[b]` and the next token `[b]`."""
+    batch, num_draft = draft_ids.shape
+    if num_draft == 0:
+        return draft_ids.new_zeros(batch), torch.multinomial(p[:, 0], 1)[:, 0]
+    p_draft = p[:, :num_draft].gather(-1, draft_ids[..., None])[..., 0]  # [b, k]
+    q_draft = q.gather(-1, draft_ids[..., None])[..., 0]
+    accept_each = torch.rand_like(p_draft) * q_draft < p_draft  # u < p / q, without dividing by zero
+    num_accepted = accept_each.long().cumprod(-1).sum(-1)
+    rows = torch.arange(batch, device=draft_ids.device)
+    residual = p[rows, num_accepted].clone()  # all accepted: sample the next token from p_k itself
+    rejected = num_accepted < num_draft
+    q_at = q[rows, num_accepted.clamp(max=num_draft - 1)]
+    residual[rejected] = (residual[rejected] - q_at[rejected]).clamp(min=0)
+    residual = residual / residual.sum(-1, keepdim=True)
+    return num_accepted, torch.multinomial(residual, 1)[:, 0]
+
+
+def keep_accepted(setup, state: DecodeState, tree: DraftTree, hidden_states, path, lengths) -> torch.LongTensor:
+    """Keep the accepted path in the target cache and queue its features as draft context; returns its tokens
+    `[b, L]` (the bonus first)."""
+    num_fed = tree.num_nodes + 1
+    longest = path.shape[1]
+    if tree.is_chain:  # the path is a prefix: crop (what sliding-window caches support)
+        state.cache.crop(-(num_fed - longest))
+    else:
+        keep_path(state.cache, num_fed, path)
+    kept = (torch.arange(longest, device=lengths.device)[None, :] < lengths[:, None]).long()  # [b, L]
+    features = context_features(hidden_states, setup.layer_ids, num_fed)  # [b, N + 1, taps * H]
+    features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+    positions = state.next_position[:, None] + torch.arange(longest, device=lengths.device)
+    state.add_context(features, kept, positions)
+    state.key_mask = torch.cat([state.key_mask, kept], dim=1)
+    state.next_position = state.next_position + lengths
+    return torch.cat([state.bonus[:, None], tree.tokens], dim=1).gather(1, path)[:, 1:]
+
+
+def commit(setup: _Setup, state: DecodeState, tokens_per_row, stats, streamer, count_round: bool) -> int:
+    """Append each unfinished row's new tokens, stopping at EOS or the token budget; returns how many were added."""
+    added = 0
+    for row, tokens in enumerate(tokens_per_row):
+        if state.done[row]:
+            continue
+        generated = state.generated[row]
+        tokens = tokens[: setup.max_new_tokens - len(generated)]
+        stop = next((i for i, token in enumerate(tokens) if token in setup.eos_ids), None)
+        if stop is not None:
+            tokens = tokens[: stop + 1]
+        generated += tokens
+        added += len(tokens)
         if count_round:
-            self.stats.num_rounds += 1
+            stats.acceptance_lengths.append(len(tokens))
+        if stop is not None or len(generated) >= setup.max_new_tokens:
+            state.done[row] = True
+        if streamer is not None and tokens:
+            streamer.put(torch.tensor(tokens))
+    return added
 
-    def _output(self, input_ids: torch.LongTensor) -> SpeculativeOutput:
-        longest = max(len(g) for g in self.generated)
-        new = torch.full((input_ids.shape[0], longest), self.pad_token_id, dtype=input_ids.dtype)
-        for row, tokens in enumerate(self.generated):
-            new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-        self.stats.new_tokens += sum(len(g) for g in self.generated)
-        sequences = torch.cat([input_ids, new.to(input_ids.device)], dim=1)
-        return SpeculativeOutput(sequences, [len(g) for g in self.generated], self.stats)
+
+# -- helpers ---------------------------------------------------------------------------------------------------------
+
+
+def target_forward(setup: _Setup, cache, input_ids, attention_mask, positions, logits_to_keep: int | None = None):
+    """The target over new tokens, with the hidden states of the tapped layers."""
+    kwargs = {"position_ids": positions} if setup.pass_positions else {}
+    if logits_to_keep is not None and setup.pass_logits_to_keep:
+        kwargs["logits_to_keep"] = logits_to_keep
+    return setup.target(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        cache=cache,
+        use_cache=True,
+        output_hidden_states=[i + 1 for i in setup.layer_ids],
+        **kwargs,
+    )
+
+
+def _pick(setup: _Setup, logits: torch.Tensor) -> torch.LongTensor:
+    """`[b, t, V]` target logits -> `[b, t]` tokens, greedy or sampled from the warped distribution."""
+    if not setup.do_sample:
+        return logits.argmax(-1)
+    probs = warp_logits(logits, logits.new_zeros(logits.shape[0], 1).long(), setup.warpers).softmax(-1)
+    return torch.multinomial(probs.flatten(0, 1), 1).view(logits.shape[:2])
+
+
+def _output(setup: _Setup, state: DecodeState, input_ids: torch.LongTensor, stats) -> SpeculativeOutput:
+    longest = max(len(g) for g in state.generated)
+    new = torch.full((input_ids.shape[0], longest), setup.pad_token_id, dtype=input_ids.dtype)
+    for row, tokens in enumerate(state.generated):
+        new[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    stats.new_tokens += sum(len(g) for g in state.generated)
+    sequences = torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+    return SpeculativeOutput(sequences, [len(g) for g in state.generated], stats)
 
 
 def synchronized_clock(device: torch.device) -> float:
@@ -451,4 +651,4 @@ def synchronized_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-__all__ = ["SpeculativeOutput", "SpeculativeStats", "speculative_generate"]
+__all__ = ["DecodeState", "SpeculativeOutput", "SpeculativeStats", "accept_sampled", "speculative_generate"]

@@ -1,24 +1,30 @@
-"""How many drafted tokens to verify each round: the most expected tokens per second, from measured costs.
+"""What to verify each round, from measured costs: a draft tree, a chain, or nothing.
 
 On a GPU a target forward over 16 tokens costs about what one token costs, so DFlash verifies the whole block.
-On a CPU it does not (SmolLM2-135M on 2 cores: 1.25x a plain decoding step for 2 tokens, 1.7x for 4, 2.0x for 8),
-so verifying proposals the draft itself doubts costs more than they bring. `VerifyCosts` holds the measured
-seconds of one target forward over `n = 1 .. B` tokens and of one draft forward; each round `best_num_draft`
-keeps the `k` first proposals that maximise
+On a CPU it does not (SmolLM2-135M on 2 cores: 1.1-1.6x a plain decoding step for 2 tokens, 1.5-2x for 8), so
+verifying proposals the draft itself doubts costs more than they bring. `VerifyCosts` holds the measured seconds of
+one target forward over `n = 1 .. n_max` tokens and of one draft forward. Each round the planner
+(`VerifyCosts.best_num_nodes`) takes the best-first candidates of the draft (`draft_tree`: a tree, or a chain) and
+keeps the first `N` that maximise
 
-    expected committed tokens / (draft + verify(k + 1)),   expected = 1 + sum_{i <= k} prod_{j <= i} c_j,
+    expected committed tokens / (draft + verify(N + 1)),   expected = rows + sum over kept nodes of P(node accepted),
 
-where `c_j` is the draft's probability for its own j-th proposal. Losslessness does not depend on `k`: the
-target still checks every token it keeps. Under sampling, `k` is chosen from the draft distributions before any
-token is sampled from them (all of a block's distributions come from one draft forward), so each kept proposal
-is still an unconditioned sample of `q_j`, which speculative sampling's correctness needs.
+where `P(node accepted)` is the node's path probability under the draft (for a chain: `prod_{j <= i} c_j`, `c_j` the
+draft's probability for its own j-th proposal); `N = 0` is a plain step. Rows of a batch share one forward, so their
+expected tokens add up. `Fallback` goes further when drafting stops paying: it skips the draft altogether for a
+number of plain steps (doubling while probes keep failing), judged on the tokens rounds really committed.
+
+Losslessness does not depend on the plan: the target still checks every token it keeps. Under sampling, `N` is chosen
+from the draft distributions before any token is sampled from them (all of a block's distributions come from one
+draft forward), so each kept proposal is still an unconditioned sample of `q_j`, which speculative sampling's
+correctness needs.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -44,20 +50,75 @@ class VerifyCosts:
         if not self.verify or any(cost <= 0 for cost in self.verify) or self.draft < 0:
             raise ValueError(f"VerifyCosts needs positive verify costs and a non-negative draft cost, got {self}.")
 
-    def best_num_draft(self, confidences: torch.Tensor) -> int:
-        """How many of the `k` proposals to verify, given the draft's probability of each: `[b, k]` -> `0 .. k`.
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes a plan can verify: forwards were timed over up to `max_nodes + 1` tokens."""
+        return len(self.verify) - 1
+
+    def best_num_nodes(self, path_probs: torch.Tensor) -> int:
+        """How many of the best-first nodes to verify, given each node's path probability `[b, N]` -> `0 .. N`.
 
         Rows of a batch share one verify forward, so their expected tokens add up.
         """
-        num_draft = min(confidences.shape[1], len(self.verify) - 1)
-        reach = confidences[:, :num_draft].float().cumprod(-1).sum(0)  # [k]: expected rows that accept past slot i
-        expected = torch.cat([reach.new_tensor([float(confidences.shape[0])]), reach]).cumsum(0)  # [k + 1]
-        seconds = self.draft + torch.tensor(self.verify[: num_draft + 1], dtype=expected.dtype)
+        num_nodes = min(path_probs.shape[1], self.max_nodes)
+        reach = path_probs[:, :num_nodes].float().sum(0)  # [N]: expected rows that accept each node
+        expected = torch.cat([reach.new_tensor([float(path_probs.shape[0])]), reach]).cumsum(0)  # [N + 1]
+        seconds = self.draft + torch.tensor(self.verify[: num_nodes + 1], dtype=expected.dtype)
         return int((expected / seconds).argmax())
+
+    def best_num_draft(self, confidences: torch.Tensor) -> int:
+        """How many of a chain's `k` proposals to verify, given the draft's probability of each: `[b, k]` -> `0..k`."""
+        return self.best_num_nodes(confidences.float().cumprod(-1))
+
+    def seconds(self, num_nodes: int, drafted: bool = True) -> float:
+        """Modelled seconds of a round verifying `num_nodes` nodes (plus the bonus), with or without a draft forward."""
+        return (self.draft if drafted else 0.0) + self.verify[num_nodes]
 
     def relative(self) -> list[float]:
         """Verify costs relative to a forward over one token (for reports)."""
         return [round(cost / self.verify[0], 3) for cost in self.verify]
+
+
+@dataclass
+class Fallback:
+    """Plain decoding steps while drafting does not pay, with probes that try again.
+
+    After each drafted round `record` adds the tokens it committed and its modelled seconds; once `min_rounds` of the
+    last `window` rounds are in and they committed fewer tokens per second than plain decoding would
+    (`rows / verify(1)`), the next `backoff` steps skip the draft. The backoff doubles (up to `max_backoff`) each
+    time the rounds after a pause fail again, and is reset by a full window that pays.
+    """
+
+    costs: VerifyCosts
+    window: int = 16
+    min_rounds: int = 4
+    first_backoff: int = 8
+    max_backoff: int = 256
+    plain_steps_left: int = 0
+    backoff: int = 0
+    _rounds: list[tuple[int, float]] = field(default_factory=list)  # (tokens committed, modelled seconds)
+
+    def __post_init__(self):
+        self.backoff = self.backoff or self.first_backoff
+
+    def should_draft(self) -> bool:
+        """Whether this step drafts (`False`: a plain step, which uses up one step of the pause)."""
+        if self.plain_steps_left > 0:
+            self.plain_steps_left -= 1
+            return False
+        return True
+
+    def record(self, committed: int, num_rows: int, num_nodes: int) -> None:
+        """A drafted round committed `committed` tokens over `num_rows` unfinished rows, verifying `num_nodes`."""
+        self._rounds = [*self._rounds, (committed, self.costs.seconds(num_nodes))][-self.window :]
+        if len(self._rounds) < self.min_rounds:
+            return
+        rate = sum(tokens for tokens, _ in self._rounds) / sum(seconds for _, seconds in self._rounds)
+        if rate < num_rows / self.costs.verify[0]:
+            self.plain_steps_left, self._rounds = self.backoff, []
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+        elif len(self._rounds) == self.window:
+            self.backoff = self.first_backoff
 
 
 @torch.no_grad()
@@ -67,14 +128,16 @@ def measure_verify_costs(
     batch_size: int = 1,
     context_length: int = 256,
     repeats: int = 5,
+    max_tokens: int | None = None,
 ) -> VerifyCosts:
-    """Time target forwards over 1 .. B new tokens after a `context_length` cache, and one draft forward.
+    """Time target forwards over 1 .. `max_tokens` (default: the block size) new tokens after a `context_length`
+    cache, and one draft forward.
 
     Sizes are interleaved over `repeats` passes and the median kept, so a busy moment hits all sizes alike.
     `cached_verify_costs` measures once per target and setting and then answers from memory.
     """
     device = target.device
-    block_size = draft.config.block_size
+    max_tokens = max_tokens or draft.config.block_size
     vocab = target.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (batch_size, context_length), generator=generator).to(device)
@@ -82,9 +145,9 @@ def measure_verify_costs(
     cache.activate_past_recording()  # sliding-window layers must be able to crop each timed forward back
     target(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
     layers = [i + 1 for i in draft.config.target_layer_ids]
-    timings: list[list[float]] = [[] for _ in range(block_size)]
+    timings: list[list[float]] = [[] for _ in range(max_tokens)]
     for _ in range(repeats + 1):  # the first pass warms up and is dropped
-        for size in range(1, block_size + 1):
+        for size in range(1, max_tokens + 1):
             new = torch.randint(0, vocab, (batch_size, size), generator=generator).to(device)
             start = time.perf_counter()
             out = target(input_ids=new, cache=cache, use_cache=True, output_hidden_states=layers)
@@ -95,12 +158,16 @@ def measure_verify_costs(
     return VerifyCosts(verify=verify, draft=_time_draft(target, draft, out.hidden_states, batch_size, repeats))
 
 
-def cached_verify_costs(target: PreTrainedModel, draft: PreTrainedModel, batch_size: int) -> VerifyCosts:
-    """`measure_verify_costs` once per target and (block size, batch size, device, dtype); then from memory."""
-    key = (draft.config.block_size, batch_size, str(target.device), str(target.dtype))
+def cached_verify_costs(
+    target: PreTrainedModel, draft: PreTrainedModel, batch_size: int, max_tokens: int | None = None
+) -> VerifyCosts:
+    """`measure_verify_costs` once per target and (block size, batch size, max tokens, device, dtype); then from
+    memory."""
+    max_tokens = max_tokens or draft.config.block_size
+    key = (draft.config.block_size, batch_size, max_tokens, str(target.device), str(target.dtype))
     per_target = _MEASURED.setdefault(target, {})
     if key not in per_target:
-        per_target[key] = measure_verify_costs(target, draft, batch_size)
+        per_target[key] = measure_verify_costs(target, draft, batch_size, max_tokens=max_tokens)
         logger.info(f"Measured verify costs (relative to one token): {per_target[key].relative()}")
     return per_target[key]
 
