@@ -88,6 +88,21 @@ def test_a_useless_draft_costs_little_more_than_plain_decoding():
     assert cost / (200 - 1) < 1.05  # 199 plain steps after the prefill
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_generate_with_a_costed_useless_drafter_skips_drafting_and_stays_exact(do_sample):
+    target = make_target("llama")
+    prompt = random_prompt(10, seed=2)
+    reference = greedy_reference(target, prompt, 120)
+    draft = make_oracle(target, [reference], p_wrong=1.0, block_size=4)
+    draft.verify_costs = VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13)
+    calls = []
+    draft.register_forward_hook(lambda *args: calls.append(1))
+    kwargs = {"do_sample": True, "top_k": 1} if do_sample else {"do_sample": False}  # top-k 1: sampling = greedy
+    out = target.generate(prompt[None], max_new_tokens=120, assistant_model=draft, **kwargs)
+    assert out[0].tolist() == reference.tolist()
+    assert len(calls) < 40  # the fallback paused drafting for most of the 119 steps after the prefill
+
+
 @pytest.mark.parametrize(
     "bad", [{"verify": (), "draft": 0.0}, {"verify": (1.0, 0.0), "draft": 0.0}, {"verify": (1.0,), "draft": -1.0}]
 )

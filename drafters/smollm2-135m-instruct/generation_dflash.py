@@ -222,8 +222,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     Each call drafts `min(B - 1, remaining budget - 1)` tokens from one draft forward over
     `[last committed token, MASK x (B-1)]`, with the target hidden states of the tokens committed since the previous
-    call appended to the draft's context cache. Returns the candidates and their (processed) draft logits `q`;
-    a drafter with measured `verify_costs` (greedy decoding) returns only the proposals worth verifying.
+    draft appended to the draft's context cache. Returns the candidates and their (processed) draft logits `q`.
+    A drafter that carries measured `verify_costs` (`draft.verify_costs = hf_dflash.measure_verify_costs(target,
+    draft)`) is planned like `speculative_generate`'s chains: greedy decoding returns only the proposals worth
+    verifying (`verify_costs.best_num_draft`), and while drafted rounds commit fewer tokens per second than plain
+    decoding would, calls return no candidate without drafting (`verify_costs.fallback()`: a plain step), keeping
+    the skipped steps' hidden states for the next draft. This path verifies chains only.
     """
 
     requires_model_outputs = True
@@ -254,6 +258,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.cache = DynamicCache(config=draft.config)
         self.cache.activate_past_recording()  # lets sliding-window layers crop the block back
         self.num_context = 0  # committed tokens whose target features are already in the draft cache
+        self.pending: list[torch.Tensor] = []  # features of committed tokens not in the draft cache yet
+        self.num_seen = 0  # committed tokens whose features are in the cache or pending
+        costs = getattr(draft, "verify_costs", None)
+        self.fallback = costs.fallback() if costs is not None and hasattr(costs, "fallback") else None
+        self.last_round: tuple[int, int] | None = None  # (length before, candidates) of the last drafted call
 
     def get_candidates(
         self,
@@ -267,13 +276,27 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if is_first_iteration or budget <= 1:  # the target prefills first; one token left needs no draft
             return input_ids, None
         committed = input_ids.shape[1] - 1  # the last token (the target's bonus) has no hidden states yet
-        features = context_features(model_outputs.hidden_states, self.target_layer_ids, committed - self.num_context)
+        new = committed - self.num_seen  # the last forward's first positions: what it committed
+        self.pending.append(context_features(model_outputs.hidden_states, self.target_layer_ids, new))
+        self.num_seen = committed
+        self._record_last_round(input_ids)
+        if self.fallback is not None and not self.fallback.should_draft():
+            return input_ids, None  # a plain step: the target decodes one token
+        features, self.pending = torch.cat(self.pending, dim=1), []
         hidden = self._draft_block(input_ids, features, (model_kwargs or {}).get("attention_mask"))
         num_draft = min(self.block_size - 1, budget - 1)
         logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden[:, 1 : 1 + num_draft])  # [1, k, V]
         draft_ids, logits = self._select(input_ids, logits)
         keep = self._num_worth_verifying(logits)
+        self.last_round = (input_ids.shape[1], keep)
         return torch.cat([input_ids, draft_ids[:, :keep]], dim=1), logits[:, :keep] if keep else None
+
+    def _record_last_round(self, input_ids: torch.LongTensor) -> None:
+        """Tell the fallback how many tokens the last drafted call's round committed."""
+        if self.fallback is not None and self.last_round is not None:
+            length_before, num_candidates = self.last_round
+            self.fallback.record(input_ids.shape[1] - length_before, 1, num_candidates)
+        self.last_round = None
 
     def _num_worth_verifying(self, logits: torch.Tensor) -> int:
         """Every proposal, unless decoding is greedy and the drafter carries measured `verify_costs`

@@ -70,6 +70,10 @@ class VerifyCosts:
         """How many of a chain's `k` proposals to verify, given the draft's probability of each: `[b, k]` -> `0..k`."""
         return self.best_num_nodes(confidences.float().cumprod(-1))
 
+    def fallback(self) -> Fallback:
+        """A fresh `Fallback` judging rounds with these costs (what `generate(assistant_model=draft)` asks for)."""
+        return Fallback(self)
+
     def seconds(self, num_nodes: int, drafted: bool = True) -> float:
         """Modelled seconds of a round verifying `num_nodes` nodes (plus the bonus), with or without a draft forward."""
         return (self.draft if drafted else 0.0) + self.verify[num_nodes]
