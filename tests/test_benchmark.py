@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 import torch
@@ -12,9 +13,12 @@ from hf_dflash.benchmark import (
     count_new_tokens,
     default_methods,
     first_difference,
+    load_benchmark_prompts,
     measure_batch_throughput,
     median,
     median_of_ratios,
+    plain_thread_methods,
+    plain_threads_name,
     ratio_of_medians,
     render_table,
     run_benchmark,
@@ -28,6 +32,12 @@ PROMPTS = [
     BenchmarkPrompt("toy/2", "toy", torch.tensor([3, 4, 3, 4, 3, 4, 3])),
     BenchmarkPrompt("other/0", "other", torch.tensor([20, 21, 22, 20, 21])),
 ]
+
+
+OTHER_THREADS = 1 if torch.get_num_threads() != 1 else 2  # a plain variant beside `plain` at the default count
+PLAIN_OTHER = plain_threads_name(OTHER_THREADS)
+GREEDY_METHODS = [m for m in ALL_METHODS if m != "ours_argmax"]
+SPECULATIVE_METHODS = ["ours", "ours_chain", "ours_tree16", "ours_full_block"]
 
 
 def tiny_config(**overrides) -> BenchmarkConfig:
@@ -47,7 +57,13 @@ def draft(target):
 
 @pytest.fixture(scope="module")
 def report(target, draft):
-    config = tiny_config(repeats=2, full_comparison_limit=2, draft_block_sizes=(2, 4), batch_sizes=(1, 3))
+    config = tiny_config(
+        repeats=2,
+        full_comparison_limit=2,
+        draft_block_sizes=(2, 4),
+        batch_sizes=(1, 3),
+        plain_threads=(OTHER_THREADS,),
+    )
     return run_benchmark(config, target, None, draft, prompts=PROMPTS)
 
 
@@ -89,6 +105,20 @@ def test_summarize_pairs_each_method_with_plain_on_the_same_prompts():
     assert summary["native"]["speedup_ratio_of_medians"] == 4.0  # against plain on prompt "a" only
 
 
+def test_summarize_takes_the_faster_plain_variant_as_baseline():
+    per_prompt = {
+        "a": {"plain": _entry(10, 1.0, 10), "plain_threads1": _entry(10, 0.5, 10), "ours": _entry(10, 0.25, 4)},
+        "b": {"plain": _entry(10, 2.0, 10), "plain_threads1": _entry(10, 1.0, 10), "ours": _entry(10, 0.5, 4)},
+    }
+    summary = summarize(per_prompt, ["a", "b"], ["plain", "plain_threads1", "ours"], ["plain", "plain_threads1"])
+    assert summary["baseline"] == "plain_threads1"
+    assert summary["plain_tokens_per_s"] == {"plain": 7.5, "plain_threads1": 15.0}  # rates 10, 5 and 20, 10
+    assert summary["methods"]["plain_threads1"]["speedup_ratio_of_medians"] == 1.0
+    assert summary["methods"]["plain"]["speedup_ratio_of_medians"] == 0.5
+    assert summary["methods"]["ours"]["speedup_ratio_of_medians"] == 2.0  # 30 vs 15, not 30 vs 7.5
+    assert summary["methods"]["ours"]["speedup_median_of_ratios"] == 2.0
+
+
 def _entry(new_tokens, seconds, forwards):
     return {
         "new_tokens": new_tokens,
@@ -102,25 +132,40 @@ def _entry(new_tokens, seconds, forwards):
 
 
 def test_report_covers_every_method_and_outputs_are_identical(report):
-    assert report["methods"] == list(ALL_METHODS)
+    assert report["methods"] == ["plain", PLAIN_OTHER, *GREEDY_METHODS[1:]]
+    assert report["baselines"] == ["plain", PLAIN_OTHER]
+    assert report["skipped_methods"] == {"ours_argmax": benchmark.SAMPLING_ONLY["ours_argmax"]}  # greedy: it is `ours`
     assert report["failed_methods"] == {}
-    assert report["identical"] and report["mismatches"] == []
+    assert report["identical"] and report["mismatches"] == []  # every plain variant and every drafted path
+    assert {m for p in report["per_prompt"].values() for m in p} == set(report["methods"])
     assert set(report["datasets"]) == {"toy", "other", "all"}
     for summary in report["datasets"].values():
-        assert set(summary["methods"]) == set(ALL_METHODS)
-        assert summary["methods"]["plain"]["speedup_ratio_of_medians"] == 1.0
-        assert summary["methods"]["plain"]["tokens_per_target_forward"] == 1.0
-        assert summary["tau"] >= 1.0
-        assert len(summary["tau_histogram"]) == 4 + 1
-        full_block = summary["ours_full_block"]  # the same loop verifying every proposal, summarised apart
-        assert full_block["verified_drafts_per_round"] > 2  # B - 1 = 3 but where the token budget cuts a block
+        methods = summary["methods"]
+        assert set(methods) == set(report["methods"])
+        assert summary["baseline"] in report["baselines"] and set(summary["plain_tokens_per_s"]) == {
+            "plain",
+            PLAIN_OTHER,
+        }
+        assert methods[summary["baseline"]]["speedup_ratio_of_medians"] == 1.0
+        assert methods["plain"]["tokens_per_target_forward"] == 1.0
+        for method in SPECULATIVE_METHODS:
+            row = methods[method]
+            for key in ("tau", "verified_drafts_per_round", "tree_rounds", "plain_steps", "rounds"):
+                assert key in row, (method, key)
+            assert row["tau"] >= 1.0 and len(row["tau_histogram"]) == 4 + 1
+        assert "tau" not in methods["plain"] and "tau" not in methods["assisted"]  # no SpeculativeStats there
+        assert summary["tau"] == methods["ours"]["tau"]  # kept at the top for scripts/export_drafter.py
+        assert methods["ours_chain"]["tree_rounds"] == methods["ours_full_block"]["tree_rounds"] == 0
+        assert methods["ours_tree16"]["tree_rounds"] > 0
+        assert methods["ours_tree16"]["verified_drafts_per_round"] > 4  # 16 nodes where the budget leaves 3 slots
+        assert methods["ours_full_block"]["verified_drafts_per_round"] > 2  # B - 1 = 3 but where the budget cuts
     json.dumps(report)  # JSON-ready
 
 
 def test_full_comparison_limit_is_per_dataset(report):
     methods = {p["id"]: p["methods"] for p in report["prompts"]}
-    assert set(methods["toy/0"]) == set(methods["toy/1"]) == set(methods["other/0"]) == set(ALL_METHODS)
-    assert set(methods["toy/2"]) == {"plain", "assisted", "ours"}
+    assert set(methods["toy/0"]) == set(methods["toy/1"]) == set(methods["other/0"]) == set(report["methods"])
+    assert set(methods["toy/2"]) == {"plain", PLAIN_OTHER, "assisted", "ours"}  # every plain variant runs everywhere
     assert [p["full_comparison"] for p in report["prompts"]] == [True, True, False, True]
     assert report["datasets"]["toy"]["methods"]["native"]["prompts"] == 2
     assert report["datasets"]["toy"]["methods"]["ours"]["prompts"] == 3
@@ -132,7 +177,103 @@ def test_conditions_are_recorded(report):
     for key in ("OMP_WAIT_POLICY", "torch_threads", "torch", "transformers", "cpu", "target_dtype", "block_size"):
         assert key in conditions
     assert conditions["block_size"] == 4 and conditions["max_new_tokens"] == 12
-    assert len(conditions["verify_costs_relative"]) == 4 and conditions["verify_costs_relative"][0] == 1.0
+    relative, seconds = conditions["target_forward_relative"], conditions["target_forward_s"]
+    assert len(relative) == len(seconds) == 32 and relative[0] == 1.0 and all(s > 0 for s in seconds)
+    assert conditions["verify_costs_relative"] == relative  # `ours` planned from that very curve
+    assert conditions["draft_forward_s"] > 0 and conditions["draft_cost_relative"] > 0
+
+
+def test_every_costed_method_plans_from_one_measured_costs_object(target, draft, monkeypatch):
+    seen = []
+    real = benchmark.speculative_generate
+
+    def spy(target, draft, input_ids, attention_mask=None, **kwargs):
+        seen.append((kwargs.get("tree"), kwargs["verify_costs"]))
+        return real(target, draft, input_ids, attention_mask, **kwargs)
+
+    monkeypatch.setattr(benchmark, "speculative_generate", spy)
+    config = tiny_config(methods=("ours", "ours_chain", "ours_tree16", "ours_full_block"), max_new_tokens=6)
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1])
+    assert report["identical"]
+    costs = benchmark.benchmark_verify_costs(target, draft)
+    assert costs.max_nodes >= 16  # trees of 16 nodes + the bonus fit
+    by_tree = {tree: {id(c) if c is not None else None for t, c in seen if t == tree} for tree, _ in seen}
+    assert by_tree == {None: {id(costs)}, False: {id(costs), None}, 16: {None}}  # ours / ours_chain, full block / tree
+
+
+def test_plain_threads_runs_at_that_count_and_restores_it(target, draft):
+    counts = []
+    handle = target.register_forward_pre_hook(lambda *args: counts.append(torch.get_num_threads()))
+    default = torch.get_num_threads()
+    try:
+        method = plain_thread_methods([OTHER_THREADS])[PLAIN_OTHER]
+        method(target, draft, PROMPTS[0].input_ids[None], None, max_new_tokens=2, do_sample=False)
+    finally:
+        handle.remove()
+    assert set(counts) == {OTHER_THREADS} and torch.get_num_threads() == default
+
+
+@pytest.mark.parametrize("slow", ["plain", PLAIN_OTHER])
+def test_speedups_are_against_the_faster_plain(target, draft, slow):
+    methods = default_methods() | plain_thread_methods([OTHER_THREADS])
+
+    def slowed(*args, **kwargs):
+        time.sleep(0.2)
+        return methods[slow](*args, **kwargs)
+
+    config = tiny_config(methods=("ours",), plain_threads=(OTHER_THREADS,), verify_costs=None)
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:2], methods=methods | {slow: slowed})
+    faster = PLAIN_OTHER if slow == "plain" else "plain"
+    assert report["identical"]  # the slowed variant's outputs are still checked
+    for summary in report["datasets"].values():
+        rates = summary["plain_tokens_per_s"]
+        assert summary["baseline"] == faster and rates[faster] > rates[slow]
+        assert summary["methods"][faster]["speedup_ratio_of_medians"] == 1.0
+        assert summary["methods"][slow]["speedup_ratio_of_medians"] < 1.0
+    assert f"speedups vs {faster}, the faster plain" in render_table(report)
+
+
+def test_sampling_measures_both_proposal_kinds(target, draft):
+    config = tiny_config(do_sample=True, methods=("ours", "ours_argmax", "ours_chain", "ours_tree16"))
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:2])
+    assert report["methods"] == ["plain", "ours", "ours_argmax"]
+    assert set(report["skipped_methods"]) == {"ours_chain", "ours_tree16"}  # chains already; trees are greedy only
+    assert not report["identity_checked"] and report["failures"] == []
+    for method in ("ours", "ours_argmax"):
+        row = report["datasets"]["toy"]["methods"][method]
+        assert row["tau"] >= 1.0 and row["tree_rounds"] == 0
+    assert "ours_argmax: tau" in render_table(report)
+
+
+def test_trees_are_left_out_where_the_target_cannot_verify_one():
+    target = make_target("mistral")  # sliding-window attention: chains only
+    draft = make_draft(target, block_size=4, num_hidden_layers=1)
+    config = tiny_config(methods=("ours", "ours_tree16"), max_new_tokens=4)
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1])
+    assert report["methods"] == ["plain", "ours"] and "sliding-window" in report["skipped_methods"]["ours_tree16"]
+    assert report["identical"] and report["failures"] == []
+    assert "ours_tree16 left out" in render_table(report)
+
+
+def test_datasets_take_their_own_limit(monkeypatch):
+    from hf_dflash import prompts
+
+    asked = {}
+
+    def load_prompts(name, limit=None):
+        asked[name] = limit
+        return [prompts.Prompt(f"{name}/{i}", name, [{"role": "user", "content": "hi"}]) for i in range(limit)]
+
+    class Tokenizer:
+        def __call__(self, text, return_tensors=None):
+            return type("Encoding", (), {"input_ids": torch.tensor([[1, 2]])})()
+
+    monkeypatch.setattr(prompts, "load_prompts", load_prompts)
+    monkeypatch.setattr(prompts, "apply_chat_template", lambda tokenizer, prompt: "text")
+    loaded = load_benchmark_prompts(Tokenizer(), ["gsm8k", "mt-bench:2"], limit=3)
+    assert asked == {"gsm8k": 3, "mt-bench": 2}
+    assert [p.id for p in loaded] == ["gsm8k/0", "gsm8k/1", "gsm8k/2", "mt-bench/0", "mt-bench/1"]
+    assert {p.dataset for p in loaded} == {"gsm8k", "mt-bench"}
 
 
 def test_sub_benchmarks(report):
@@ -141,6 +282,7 @@ def test_sub_benchmarks(report):
     batch = report["batch"]
     assert [r["batch_size"] for r in batch] == [1, 3]
     assert all(r["identical"] and r["plain_new_tokens"] == r["ours_new_tokens"] for r in batch)
+    assert all(r["tau"] >= 1.0 and "tree_rounds" in r and "plain_steps" in r for r in batch)  # the planner ran
 
 
 def test_a_wrong_token_is_detected(target, draft):
@@ -175,9 +317,10 @@ def test_a_method_that_raises_is_reported(target, draft):
 
 def test_table_and_plot(report, tmp_path):
     table = render_table(report)
-    for method in ALL_METHODS:
+    for method in report["methods"]:
         assert method in table
     assert "identical outputs" in table and "every method ran on: toy/0, toy/1, other/0" in table
+    assert "target forward over n tokens" in table and "ours_tree16: tau" in table and "speedups vs" in table
     path = save_plot(report, tmp_path / "plots" / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -191,11 +334,13 @@ def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:1]))
     output = tmp_path / "bench.json"
     argv = ["bench", "--draft", "unused", "--max-new-tokens", "6", "--methods", "ours", "--output", str(output)]
-    argv += ["--draft-block-sizes", "--batch-sizes"]
+    argv += ["--draft-block-sizes", "--batch-sizes", "--plain-threads", str(OTHER_THREADS)]
     assert cli.main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(output.read_text())
     assert json.loads(last)["config"]["methods"] == ["ours"]
+    assert json.loads(last)["config"]["plain_threads"] == [OTHER_THREADS]
+    assert json.loads(last)["methods"] == ["plain", PLAIN_OTHER, "ours"]
     assert output.with_suffix(".png").is_file()
 
     broken = dict(default_methods())

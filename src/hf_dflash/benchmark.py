@@ -4,21 +4,31 @@ Design:
 
 - one process, one target, one drafter; a warm-up run of every method first, then for each prompt every method runs
   once per repeat, in an order rotated per prompt and per repeat, so clock drift and background load hit all alike;
-- the methods (`default_methods`) are `plain` (`target.generate`, the baseline), `prompt_lookup`
-  (`prompt_lookup_num_tokens`), `native` (transformers' own DFlash path, `speculation_type="dflash"`), `assisted`
-  (`generate(assistant_model=draft)`, routed to `DFlashCandidateGenerator`), `ours` (`speculative_generate`), both
-  with `config.verify_costs`, and `ours_full_block` (`speculative_generate` verifying every proposal, as published);
-- with `verify_costs="auto"` the target's verify costs are measured once before the warm-up, outside every timing,
-  and recorded in the conditions;
+- the methods (`default_methods`): `plain` (`target.generate`), `prompt_lookup` (`prompt_lookup_num_tokens`),
+  `native` (transformers' own DFlash path, `speculation_type="dflash"`), `assisted` (`generate(assistant_model=draft)`,
+  routed to `DFlashCandidateGenerator`) and four runs of `speculative_generate` with the same drafter: `ours`
+  (`config.verify_costs`: "auto" plans each round, a tree, a chain or a plain step), `ours_chain` (the same costs,
+  chains only), `ours_tree16` (a fixed best-first tree of 16 nodes every round, no costs) and `ours_full_block`
+  (every slot's argmax verified, as published); under sampling `ours_argmax` proposes the draft's argmax with a
+  one-hot q beside `ours`'s samples of q. A method that cannot differ from another or cannot run in a setting
+  (trees under sampling or on a target that cannot verify one) is left out and listed in `report["skipped_methods"]`;
+- the baseline is plain decoding at its fastest thread count: `config.plain_threads` adds `plain_threads{n}`
+  (`target.generate` at `torch.set_num_threads(n)`, restored afterwards), and every speedup of a dataset is computed
+  against whichever plain variant has the higher median tokens/s there (`summary["baseline"]`, all their rates in
+  `summary["plain_tokens_per_s"]`); every plain variant runs on every prompt;
+- the target's forward time over 1 .. 32 new tokens (and one draft forward) is measured once before the warm-up,
+  outside every timing, and recorded in the conditions (seconds and relative to one token); that same `VerifyCosts`
+  object is what every costed method plans from (16 tree nodes + the bonus fit in it);
 - greedy runs must be token-identical to `plain` on every prompt and repeat, and batched `speculative_generate` to
   batched `target.generate`; mismatches are collected, never hidden, and `report["identical"]` covers every path;
 - tokens/s per prompt use the median time over repeats; a dataset reports the median over prompts, the speedup as a
   ratio of medians and as the median of per-prompt ratios, each computed on the prompts both methods ran;
 - `tokens_per_target_forward` counts the target's top-level forward calls with a hook (prefill included), so it is
-  the same measurement for every path (1.0 for plain decoding); `tau` and its histogram come from `SpeculativeStats`;
+  the same measurement for every path (1.0 for plain decoding); every `speculative_generate` method also reports
+  `tau` and its histogram, verified nodes per round, tree rounds and plain steps (`SpeculativeStats`);
 - two optional sub-benchmarks: the draft's forward + LM head time per block size (paper, Figure 3), and batched
-  throughput of `speculative_generate` vs `target.generate` on left-padded batches; one that raises is recorded as
-  `{"error": ...}` so the main results survive;
+  throughput of `speculative_generate` (its planner's costs measured at each batch size) vs `target.generate` on
+  left-padded batches; one that raises is recorded as `{"error": ...}` so the main results survive;
 - `report["failures"]` lists every failed method, mismatch and failed sub-benchmark: the run passes when it is empty.
 
 Functions return plain data (a JSON-ready dict); `render_table` and `save_plot` turn it into text and a PNG. Nothing
@@ -43,16 +53,35 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
+from .draft_tree import supports_tree_verification
 from .generation_dflash import noise_block, pad_token_id_of, token_ids
 from .modeling_dflash import DFlashForDrafting
-from .speculative import SpeculativeStats, speculative_generate, synchronized_clock
-from .verify_policy import cached_verify_costs
+from .speculative import SpeculativeStats, _has_sliding_window, speculative_generate, synchronized_clock
+from .verify_policy import VerifyCosts, cached_verify_costs
 
 logger = logging.get_logger(__name__)
 
 BASELINE = "plain"
-ALL_METHODS = ("plain", "prompt_lookup", "native", "assisted", "ours", "ours_full_block")
-CORE_METHODS = ("plain", "assisted", "ours")  # what prompts beyond `full_comparison_limit` run
+ALL_METHODS = (
+    "plain",
+    "prompt_lookup",
+    "native",
+    "assisted",
+    "ours",
+    "ours_chain",
+    "ours_tree16",
+    "ours_full_block",
+    "ours_argmax",
+)
+CORE_METHODS = ("plain", "assisted", "ours")  # what prompts beyond `full_comparison_limit` run (with every plain)
+# Left out where they would repeat another method or cannot run (`_not_applicable`):
+GREEDY_ONLY = {
+    "ours_chain": "under sampling `ours` verifies chains already",
+    "ours_tree16": "draft trees are verified for greedy decoding only",
+}
+SAMPLING_ONLY = {"ours_argmax": "greedy decoding proposes the draft's argmax already (it is `ours`)"}
+TREE_METHODS = ("ours_tree16",)
+COST_CURVE_TOKENS = 32  # the target's forward is timed over 1 .. 32 new tokens (>= 16 tree nodes + the bonus)
 SUB_BENCHMARKS = ("draft_forward", "batch")  # report keys: a list of results, or {"error": ...} if it raised
 
 # A method: (target, draft, input_ids [1, L], attention_mask [1, L], **generation kwargs) -> (sequences, stats | None)
@@ -63,9 +92,10 @@ Method = Callable[..., tuple[torch.LongTensor, SpeculativeStats | None]]
 class BenchmarkConfig:
     """What `run_benchmark` runs. The prompt sets are read with `hf_dflash.prompts` unless prompts are passed in."""
 
-    datasets: tuple[str, ...] = ("gsm8k", "humaneval", "mt-bench")
+    datasets: tuple[str, ...] = ("gsm8k", "humaneval", "mt-bench")  # "name:N" takes N prompts of it, not `limit`
     limit: int = 10  # prompts per dataset
-    methods: tuple[str, ...] = ALL_METHODS  # `plain` is always added: it is the baseline
+    methods: tuple[str, ...] = ALL_METHODS  # `plain` and the `plain_threads` variants are always added: baselines
+    plain_threads: tuple[int, ...] = ()  # also time `plain` at these torch thread counts; the faster is the baseline
     full_comparison_limit: int | None = None  # only the first M prompts of a dataset run every method; None: all do
     core_methods: tuple[str, ...] = CORE_METHODS  # what the prompts beyond `full_comparison_limit` run
     max_new_tokens: int = 200
@@ -78,7 +108,7 @@ class BenchmarkConfig:
     draft_timing_repeats: int = 20
     draft_context_len: int = 128  # cached context the timed draft forward attends to (a typical prompt length)
     batch_sizes: tuple[int, ...] = (1, 4, 8)  # empty: skip the batched-throughput comparison
-    verify_costs: str | None = "auto"  # `ours`: "auto" verifies what pays (hf_dflash.verify_policy); None: all
+    verify_costs: str | None = "auto"  # `ours`, `assisted`: "auto" verifies what pays (verify_policy); None: all
     progress: bool = True
 
 
@@ -100,6 +130,16 @@ def _plain(target, draft, input_ids, attention_mask, **kwargs):
     return target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), None
 
 
+def _plain_with_threads(target, draft, input_ids, attention_mask, num_threads: int, **kwargs):
+    """Plain decoding at `num_threads` torch threads; the thread count is restored afterwards."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        return _plain(target, draft, input_ids, attention_mask, **kwargs)
+    finally:
+        torch.set_num_threads(default)
+
+
 def _prompt_lookup(target, draft, input_ids, attention_mask, num_tokens: int = 10, **kwargs):
     out = target.generate(
         input_ids=input_ids, attention_mask=attention_mask, prompt_lookup_num_tokens=num_tokens, **kwargs
@@ -114,9 +154,9 @@ def _native(target, draft, input_ids, attention_mask, **kwargs):
     return out, None
 
 
-def _assisted(target, draft, input_ids, attention_mask, verify_costs: str | None = None, **kwargs):
+def _assisted(target, draft, input_ids, attention_mask, verify_costs: VerifyCosts | str | None = None, **kwargs):
     own = getattr(draft, "verify_costs", None)  # the caller's, restored after the run
-    draft.verify_costs = cached_verify_costs(target, draft, 1) if verify_costs == "auto" else None  # greedy only
+    draft.verify_costs = _resolve_costs(verify_costs, target, draft)  # used for greedy decoding only
     try:
         out = target.generate(input_ids=input_ids, attention_mask=attention_mask, assistant_model=draft, **kwargs)
     finally:
@@ -124,21 +164,53 @@ def _assisted(target, draft, input_ids, attention_mask, verify_costs: str | None
     return out, None
 
 
-def _ours(target, draft, input_ids, attention_mask, **kwargs):
-    out = speculative_generate(target, draft, input_ids, attention_mask, **kwargs)
+def _ours(target, draft, input_ids, attention_mask, verify_costs: VerifyCosts | str | None = None, **kwargs):
+    costs = _resolve_costs(verify_costs, target, draft)
+    out = speculative_generate(target, draft, input_ids, attention_mask, verify_costs=costs, **kwargs)
     return out.sequences[:, : input_ids.shape[1] + out.num_new_tokens[0]], out.stats
 
 
-def default_methods(prompt_lookup_num_tokens: int = 10, verify_costs: str | None = "auto") -> dict[str, Method]:
-    """The decoding paths, by name; `ours` verifies as `verify_costs` says, `ours_full_block` every proposal."""
+def benchmark_verify_costs(target: PreTrainedModel, draft: PreTrainedModel) -> VerifyCosts:
+    """The target's forward time over 1 .. max(32, B) new tokens and one draft forward, at batch 1: measured once per
+    target (`cached_verify_costs`), then the same object every time, so every costed method plans from one set of
+    costs, and trees (16 nodes + the bonus) are covered."""
+    return cached_verify_costs(target, draft, 1, max_tokens=max(COST_CURVE_TOKENS, draft.config.block_size))
+
+
+def _resolve_costs(verify_costs, target, draft) -> VerifyCosts | None:
+    """`"auto"`: the benchmark's measured costs (`benchmark_verify_costs`); a `VerifyCosts` or `None` as given."""
+    return benchmark_verify_costs(target, draft) if isinstance(verify_costs, str) else verify_costs
+
+
+def default_methods(
+    prompt_lookup_num_tokens: int = 10, verify_costs: VerifyCosts | str | None = "auto"
+) -> dict[str, Method]:
+    """The decoding paths, by name. `ours` and `assisted` verify as `verify_costs` says ("auto": the benchmark's
+    measured costs, `None`: every proposal), `ours_chain` plans chains from those costs (measured ones when `None`),
+    `ours_tree16` verifies a 16-node tree every round, `ours_full_block` every slot's argmax, and `ours_argmax`
+    (sampling) proposes the draft's argmax."""
+    costed = "auto" if verify_costs is None else verify_costs
     return {
         "plain": _plain,
         "prompt_lookup": functools.partial(_prompt_lookup, num_tokens=prompt_lookup_num_tokens),
         "native": _native,
         "assisted": functools.partial(_assisted, verify_costs=verify_costs),
         "ours": functools.partial(_ours, verify_costs=verify_costs),
-        "ours_full_block": functools.partial(_ours, verify_costs=None),
+        "ours_chain": functools.partial(_ours, verify_costs=costed, tree=False),
+        "ours_tree16": functools.partial(_ours, verify_costs=None, tree=16),
+        "ours_full_block": functools.partial(_ours, verify_costs=None, tree=False),
+        "ours_argmax": functools.partial(_ours, verify_costs=verify_costs, sample_proposals=False),
     }
+
+
+def plain_threads_name(num_threads: int) -> str:
+    """The method name of plain decoding at `num_threads` torch threads."""
+    return f"plain_threads{num_threads}"
+
+
+def plain_thread_methods(thread_counts: Sequence[int]) -> dict[str, Method]:
+    """`plain_threads{n}`: `target.generate` at `n` torch threads, for each count."""
+    return {plain_threads_name(n): functools.partial(_plain_with_threads, num_threads=n) for n in thread_counts}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -188,12 +260,14 @@ def count_new_tokens(generated: torch.LongTensor, eos_token_ids: Sequence[int]) 
 
 
 def load_benchmark_prompts(tokenizer, datasets: Sequence[str], limit: int | None) -> list[BenchmarkPrompt]:
-    """The first `limit` prompts of each dataset, chat template applied, tokenized."""
+    """The first `limit` prompts of each dataset (`"name:N"`: its first N), chat template applied, tokenized."""
     from .prompts import apply_chat_template, load_prompts
 
     prompts = []
-    for name in datasets:
-        for prompt in load_prompts(name, limit=limit):
+    for entry in datasets:
+        name, _, count = entry.rpartition(":")
+        name, count = (name, int(count)) if name and count.isdigit() else (entry, limit)
+        for prompt in load_prompts(name, limit=count):
             ids = tokenizer(apply_chat_template(tokenizer, prompt), return_tensors="pt").input_ids[0]
             prompts.append(BenchmarkPrompt(prompt.id, prompt.dataset, ids))
     return prompts
@@ -282,11 +356,44 @@ def _timed_run(method: Method, target, draft, input_ids, generation_kwargs) -> t
     return seconds, counter.calls, sequences[0, input_ids.shape[1] :].tolist(), stats
 
 
-def _methods_for(position: int, config: BenchmarkConfig, methods: Sequence[str]) -> list[str]:
-    """The methods prompt number `position` (within its dataset) runs."""
+def _methods_for(
+    position: int, config: BenchmarkConfig, methods: Sequence[str], baselines: Sequence[str]
+) -> list[str]:
+    """The methods prompt number `position` (within its dataset) runs: every plain variant at least."""
     if config.full_comparison_limit is None or position < config.full_comparison_limit:
         return list(methods)
-    return [m for m in methods if m in config.core_methods or m == BASELINE]
+    return [m for m in methods if m in config.core_methods or m in baselines]
+
+
+def _extra_thread_counts(thread_counts: Sequence[int]) -> list[int]:
+    """The `plain_threads` counts to time beside `plain`: distinct, and not the default (that is `plain`)."""
+    if any(n < 1 for n in thread_counts):
+        raise ValueError(f"plain_threads must be thread counts >= 1, got {tuple(thread_counts)}.")
+    default = torch.get_num_threads()
+    if default in thread_counts:
+        logger.info(f"plain_threads: {default} is the default thread count, which `plain` runs at.")
+    return [n for n in dict.fromkeys(thread_counts) if n != default]
+
+
+def _not_applicable(names: Sequence[str], target: PreTrainedModel, do_sample: bool) -> dict[str, str]:
+    """The methods that would repeat another one or cannot run in this setting, with the reason."""
+    skipped = {}
+    for name in names:
+        if name in GREEDY_ONLY and do_sample:
+            skipped[name] = GREEDY_ONLY[name]
+        elif name in SAMPLING_ONLY and not do_sample:
+            skipped[name] = SAMPLING_ONLY[name]
+        elif name in TREE_METHODS and not _verifies_trees(target):
+            skipped[name] = "the target cannot verify a draft tree exactly (sliding-window attention or mask)"
+    for name, reason in skipped.items():
+        logger.info(f"Method {name!r} left out: {reason}.")
+    return skipped
+
+
+@torch.no_grad()
+def _verifies_trees(target: PreTrainedModel) -> bool:
+    """Whether `speculative_generate(..., tree=N)` can run on `target` (the rule it applies itself)."""
+    return not _has_sliding_window(target) and supports_tree_verification(target)
 
 
 def run_benchmark(
@@ -305,15 +412,19 @@ def run_benchmark(
             token, so it may be `None` when `prompts` are given.
         prompts: tokenized prompts to use instead of loading `config.datasets`.
         methods: name -> method table, default `default_methods(config.prompt_lookup_num_tokens,
-            config.verify_costs)`; every name in
-            `config.methods` must be in it.
+            config.verify_costs)`, with `plain_thread_methods(config.plain_threads)` added where it has no entry of
+            that name; every name in `config.methods` must be in it.
     """
     if methods is None:
         methods = default_methods(config.prompt_lookup_num_tokens, config.verify_costs)
-    names = [BASELINE] + [m for m in dict.fromkeys(config.methods) if m != BASELINE]
+    baselines = [BASELINE] + [plain_threads_name(n) for n in _extra_thread_counts(config.plain_threads)]
+    methods = plain_thread_methods(config.plain_threads) | methods  # a caller's own entry wins
+    names = list(dict.fromkeys([*baselines, *config.methods]))
     unknown = [m for m in names if m not in methods]
     if unknown:
         raise ValueError(f"Unknown methods {unknown}; known: {sorted(methods)}.")
+    skipped = _not_applicable(names, target, config.do_sample)
+    names = [m for m in names if m not in skipped]
     if config.repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {config.repeats}.")
     if prompts is None:
@@ -326,9 +437,10 @@ def run_benchmark(
     if pad_token_id is not None:
         generation_kwargs["pad_token_id"] = pad_token_id
 
-    verify_costs = cached_verify_costs(target, draft, 1) if config.verify_costs == "auto" else None  # untimed
+    costs = benchmark_verify_costs(target, draft)  # untimed; the costed methods then plan from this object
     failed = _warm_up(target, draft, prompts[0], names, methods, generation_kwargs, config)
     names = [m for m in names if m not in failed]
+    baselines = [m for m in baselines if m in names]
     if BASELINE in failed:
         raise RuntimeError(f"The baseline failed during warm-up: {failed[BASELINE]}")
 
@@ -337,7 +449,7 @@ def run_benchmark(
     for prompt in prompts:
         position = position_in_dataset.get(prompt.dataset, 0)
         position_in_dataset[prompt.dataset] = position + 1
-        plan.append((prompt, _methods_for(position, config, names)))
+        plan.append((prompt, _methods_for(position, config, names, baselines)))
 
     runs: list[_Run] = []
     total = sum(len(m) for _, m in plan) * config.repeats
@@ -361,23 +473,28 @@ def run_benchmark(
         logger.error(f"OUTPUT MISMATCH vs {BASELINE}: {mismatch}")
     per_prompt = _per_prompt(runs)
     datasets = list(dict.fromkeys(p.dataset for p in prompts))
-    summaries = {name: summarize(per_prompt, [p.id for p in prompts if p.dataset == name], names) for name in datasets}
-    if len(datasets) > 1:
-        summaries["all"] = summarize(per_prompt, [p.id for p in prompts], names)
-    for name, summary in summaries.items():
+    summaries = {}
+    for name in [*datasets, "all"] if len(datasets) > 1 else datasets:
         ids = [p.id for p in prompts if name == "all" or p.dataset == name]
-        summary |= _speculative_summary(runs, ids)
-        if full_block := _speculative_summary(runs, ids, "ours_full_block"):
-            summary["ours_full_block"] = full_block
+        summaries[name] = summary = summarize(per_prompt, ids, names, baselines)
+        for method in names:
+            summary["methods"][method] |= _speculative_summary(runs, ids, method)
+        summary |= _speculative_summary(runs, ids, "ours")  # also at the top, as before (scripts/export_drafter.py)
 
     conditions = benchmark_conditions(target, draft, config)
-    if verify_costs is not None:
-        conditions["verify_costs_relative"] = verify_costs.relative()  # forward over 1 .. B tokens / over 1 token
-        conditions["draft_cost_relative"] = round(verify_costs.draft / verify_costs.verify[0], 3)
+    # The target's forward over n = 1 .. 32 new tokens after a 256-token cache, batch 1, and one draft forward.
+    conditions["target_forward_s"] = list(costs.verify)
+    conditions["target_forward_relative"] = costs.relative()
+    conditions["draft_forward_s"] = costs.draft
+    conditions["draft_cost_relative"] = round(costs.draft / costs.verify[0], 3)
+    if config.verify_costs == "auto":
+        conditions["verify_costs_relative"] = costs.relative()  # what `ours` planned from
     report = {
         "conditions": conditions,
         "config": asdict(config),
         "methods": names,
+        "baselines": baselines,
+        "skipped_methods": skipped,
         "failed_methods": failed,
         "prompts": [
             {
@@ -513,28 +630,39 @@ def _per_prompt(runs: Sequence[_Run]) -> dict[str, dict[str, dict[str, Any]]]:
     return table
 
 
-def summarize(per_prompt: dict, prompt_ids: Sequence[str], methods: Sequence[str]) -> dict[str, Any]:
-    """Per method over `prompt_ids`: median tokens/s and the two speedups vs the baseline on the same prompts."""
+def summarize(
+    per_prompt: dict, prompt_ids: Sequence[str], methods: Sequence[str], baselines: Sequence[str] = (BASELINE,)
+) -> dict[str, Any]:
+    """Per method over `prompt_ids`: median tokens/s and the two speedups vs the faster of the `baselines` (the plain
+    variants; higher median tokens/s over these prompts), each on the prompts both ran."""
+
+    def rates(method: str, ids: Sequence[str]) -> list[float]:
+        return [per_prompt[i][method]["tokens_per_s"] for i in ids]
+
+    def ran(method: str) -> list[str]:
+        return [i for i in prompt_ids if method in per_prompt.get(i, {})]
+
+    plain_rates = {name: median(rates(name, ran(name))) for name in baselines}
+    base = max(baselines, key=lambda name: plain_rates[name] or 0.0)
     summary = {}
     for method in methods:
-        ids = [i for i in prompt_ids if method in per_prompt.get(i, {}) and BASELINE in per_prompt[i]]
-        rates = [per_prompt[i][method]["tokens_per_s"] for i in ids]
-        baseline = [per_prompt[i][BASELINE]["tokens_per_s"] for i in ids]
+        ids = [i for i in ran(method) if base in per_prompt[i]]
         tokens = sum(per_prompt[i][method]["new_tokens"] for i in ids)
         forwards = sum(per_prompt[i][method]["target_forwards"] for i in ids)
         summary[method] = {
             "prompts": len(ids),
-            "tokens_per_s": median(rates),
-            "speedup_ratio_of_medians": ratio_of_medians(rates, baseline),
-            "speedup_median_of_ratios": median_of_ratios(rates, baseline),
+            "tokens_per_s": median(rates(method, ids)),
+            "speedup_ratio_of_medians": ratio_of_medians(rates(method, ids), rates(base, ids)),
+            "speedup_median_of_ratios": median_of_ratios(rates(method, ids), rates(base, ids)),
             "tokens_per_target_forward": tokens / forwards if forwards else None,
         }
-    return {"methods": summary}
+    return {"baseline": base, "plain_tokens_per_s": plain_rates, "methods": summary}
 
 
 def _speculative_summary(runs: Sequence[_Run], prompt_ids: Sequence[str], method: str = "ours") -> dict[str, Any]:
-    """`method`'s tau and histogram (first repeat: greedy repeats are identical), draft/verify time and verified
-    proposals per round (all repeats)."""
+    """`method`'s tau, histogram, drafted rounds, tree rounds and plain steps (first repeat: greedy repeats are
+    identical), verified nodes per drafted round and draft/verify time per step (a drafted round or a plain step; all
+    repeats); empty if it has no `SpeculativeStats`."""
     ids = set(prompt_ids)
     ours = [r for r in runs if r.method == method and r.stats is not None and r.prompt_id in ids]
     if not ours:
@@ -544,11 +672,15 @@ def _speculative_summary(runs: Sequence[_Run], prompt_ids: Sequence[str], method
         if run.repeat == 0:
             first.merge(copy.deepcopy(run.stats))
     rounds = sum(r.stats.num_rounds for r in ours)
+    steps = rounds + sum(r.stats.plain_steps for r in ours)
     return {
         "tau": first.tau,
         "tau_histogram": first.histogram,
-        "draft_ms_per_round": 1000 * sum(r.stats.draft_time_s for r in ours) / max(rounds, 1),
-        "verify_ms_per_round": 1000 * sum(r.stats.verify_time_s for r in ours) / max(rounds, 1),
+        "rounds": first.num_rounds,
+        "tree_rounds": first.tree_rounds,
+        "plain_steps": first.plain_steps,
+        "draft_ms_per_step": 1000 * sum(r.stats.draft_time_s for r in ours) / max(steps, 1),
+        "verify_ms_per_step": 1000 * sum(r.stats.verify_time_s for r in ours) / max(steps, 1),
         "verified_drafts_per_round": sum(r.stats.verified_drafts for r in ours) / max(rounds, 1),
     }
 
@@ -637,7 +769,8 @@ def measure_batch_throughput(
 ) -> list[dict[str, Any]]:
     """Tokens/s of batched `target.generate` vs batched `speculative_generate(..., verify_costs=verify_costs)` on
     left-padded batches of the first prompts (reused cyclically when there are fewer prompts than the batch size);
-    `"auto"` costs are measured in the untimed warm-up. Each batch runs `repeats` times per path (median time);
+    `"auto"` costs are measured at each batch size in the untimed warm-up, and the last run's tau, verified nodes per
+    round, tree rounds and plain steps are recorded. Each batch runs `repeats` times per path (median time);
     batches are padded and cut at EOS as the rest of the library does (`pad_token_id_of`, `token_ids`), with
     `generation_kwargs` over `target.generation_config`."""
     if repeats < 1:
@@ -665,7 +798,7 @@ def measure_batch_throughput(
                     plain_rows = [row[:n] for row, n in zip(generated.tolist(), plain_counts)]
                 else:
                     out = speculative_generate(target, draft, ids, mask, **generation_kwargs, **ours_kwargs)
-                    ours_counts = out.num_new_tokens
+                    ours_counts, ours_stats = out.num_new_tokens, out.stats
                     ours_rows = [
                         row[ids.shape[1] : ids.shape[1] + n] for row, n in zip(out.sequences.tolist(), ours_counts)
                     ]
@@ -685,6 +818,10 @@ def measure_batch_throughput(
                 "plain_new_tokens": sum(plain_counts),
                 "ours_new_tokens": sum(ours_counts),
                 "identical": identical,
+                "tau": ours_stats.tau,
+                "verified_drafts_per_round": ours_stats.verified_drafts_per_round,
+                "tree_rounds": ours_stats.tree_rounds,
+                "plain_steps": ours_stats.plain_steps,
             }
         )
     return results
@@ -700,7 +837,8 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def render_table(report: dict[str, Any]) -> str:
-    """The report as fixed-width text: per dataset and method, then tau, timing, sub-benchmarks, identity verdict."""
+    """The report as fixed-width text: the cost curve, per dataset and method (speedups vs the faster plain), each
+    `speculative_generate` method's tau, nodes, tree rounds and plain steps, sub-benchmarks, identity verdict."""
     lines = []
     c = report["conditions"]
     lines.append(
@@ -708,25 +846,41 @@ def render_table(report: dict[str, Any]) -> str:
         f"max_new_tokens {c['max_new_tokens']} | repeats {c['repeats']} | {c['cpu']} | "
         f"torch {c['torch']} threads {c['torch_threads']} | OMP_WAIT_POLICY={c['OMP_WAIT_POLICY']}"
     )
+    if "target_forward_relative" in c:
+        relative, shown = c["target_forward_relative"], (1, 2, 4, 8, 16, 17, 32)
+        lines.append(
+            f"target forward over n tokens, x one token ({1000 * c['target_forward_s'][0]:.1f} ms): "
+            + ", ".join(f"{n}: {relative[n - 1]:.2f}" for n in shown if n <= len(relative))
+            + f"; draft forward {c['draft_cost_relative']:.2f}"
+        )
     full = [p["id"] for p in report["prompts"] if p["full_comparison"]]
     if len(full) < len(report["prompts"]):
         core = report["config"].get("core_methods", CORE_METHODS)
-        lines.append(f"every method ran on: {', '.join(full)}; the other prompts ran only {', '.join(core)}")
-    header = f"{'dataset':10s} {'method':14s} {'prompts':>7s} {'tok/s':>8s} {'x (medians)':>11s} {'x (per-prompt)':>14s} {'tok/fwd':>8s}"
+        lines.append(
+            f"every method ran on: {', '.join(full)}; the other prompts ran only {', '.join(core)} and every plain variant"
+        )
+    for name, reason in report.get("skipped_methods", {}).items():
+        lines.append(f"{name} left out: {reason}")
+    header = f"{'dataset':10s} {'method':16s} {'prompts':>7s} {'tok/s':>8s} {'x (medians)':>11s} {'x (per-prompt)':>14s} {'tok/fwd':>8s}"
     lines += ["", header, "-" * len(header)]
     for dataset, summary in report["datasets"].items():
         for method, row in summary["methods"].items():
             lines.append(
-                f"{dataset:10s} {method:14s} {row['prompts']:7d} {_fmt(row['tokens_per_s'], 1):>8s} "
+                f"{dataset:10s} {method:16s} {row['prompts']:7d} {_fmt(row['tokens_per_s'], 1):>8s} "
                 f"{_fmt(row['speedup_ratio_of_medians']):>11s} {_fmt(row['speedup_median_of_ratios']):>14s} "
                 f"{_fmt(row['tokens_per_target_forward']):>8s}"
             )
-        for method, stats in (("ours", summary), ("ours_full_block", summary.get("ours_full_block", {}))):
-            if "tau" in stats:
+        rates = ", ".join(f"{name} {_fmt(rate, 1)}" for name, rate in summary.get("plain_tokens_per_s", {}).items())
+        lines.append(
+            f"{dataset:10s} speedups vs {summary.get('baseline', BASELINE)}, the faster plain ({rates} tok/s)"
+        )
+        for method, row in summary["methods"].items():
+            if "tau" in row:
                 lines.append(
-                    f"{dataset:10s} {method}: tau {stats['tau']:.2f}, histogram {stats['tau_histogram']}, "
-                    f"{stats['verified_drafts_per_round']:.2f} proposals verified, draft "
-                    f"{stats['draft_ms_per_round']:.1f} + verify {stats['verify_ms_per_round']:.1f} ms/round"
+                    f"{dataset:10s} {method}: tau {row['tau']:.2f}, histogram {row['tau_histogram']}, "
+                    f"{row['verified_drafts_per_round']:.2f} nodes verified per round, {row['tree_rounds']} of "
+                    f"{row['rounds']} rounds trees, {row['plain_steps']} plain steps, draft "
+                    f"{row['draft_ms_per_step']:.1f} + verify {row['verify_ms_per_step']:.1f} ms/step"
                 )
     if isinstance(report.get("draft_forward"), list):
         lines += [
@@ -742,7 +896,8 @@ def render_table(report: dict[str, Any]) -> str:
         for r in report["batch"]:
             lines.append(
                 f"batch {r['batch_size']}: plain {r['plain_tokens_per_s']:.1f} tok/s, ours {r['ours_tokens_per_s']:.1f} "
-                f"tok/s, x{r['speedup']:.2f}, identical {r['identical']}"
+                f"tok/s, x{r['speedup']:.2f}, tau {r['tau']:.2f}, {r['tree_rounds']} tree rounds, "
+                f"{r['plain_steps']} plain steps, identical {r['identical']}"
             )
     lines.append("")
     if not report["identity_checked"]:
@@ -782,7 +937,7 @@ def save_plot(report: dict[str, Any], path: str | os.PathLike) -> Path:
     figure.suptitle(title, fontsize=9)
     figure.legend(*rate_axes.get_legend_handles_labels(), loc="outside lower center", ncols=min(len(methods), 5))
     speed_axes.axhline(1.0, color="grey", linewidth=0.8)
-    speed_axes.set_ylabel("speedup vs plain (ratio of medians)")
+    speed_axes.set_ylabel("speedup vs the faster plain (ratio of medians)")
     speed_axes.set_xticks(range(len(datasets)), datasets)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -794,11 +949,14 @@ __all__ = [
     "ALL_METHODS",
     "BenchmarkConfig",
     "BenchmarkPrompt",
+    "benchmark_verify_costs",
     "default_methods",
     "failures",
     "load_benchmark_prompts",
     "median",
     "median_of_ratios",
+    "plain_thread_methods",
+    "plain_threads_name",
     "ratio_of_medians",
     "render_table",
     "run_benchmark",

@@ -4,7 +4,7 @@ hf-dflash demo [--draft DIR] [--prompt TEXT] [--max-new-tokens N]
 hf-dflash data --source sharegpt --source synthetic --num-prompts N --output FILE.jsonl
 hf-dflash train --data FILE.jsonl --output_dir DIR [--block_size 8 --num_draft_layers 1 ...]  (any TrainingArguments)
 hf-dflash card DIR
-hf-dflash bench --draft DIR
+hf-dflash bench --draft DIR [--datasets gsm8k humaneval mt-bench:10] [--plain-threads 1] [--do-sample]
 """
 
 from __future__ import annotations
@@ -43,31 +43,62 @@ def main(argv: list[str] | None = None) -> int:
     card.add_argument("--repo-id", default=None, help="Hub repo id of the drafter, used in the card's snippets")
     card.add_argument("--license", default=None, help="license of the drafter (default apache-2.0)")
     card.add_argument("--acceptance-json", default=None, help='JSON {dataset: {"tau", "speedup", "conditions"}}')
-    bench = commands.add_parser("bench", help="time every decoding path on real prompts; check identical outputs")
+    bench = commands.add_parser(
+        "bench",
+        help="time every decoding path on real prompts against the fastest plain decoding; check identical outputs",
+    )
     bench.add_argument("--target", default="smollm2-135m-instruct", help="a packaged real target (hf_dflash.targets)")
     bench.add_argument("--draft", required=True, help="drafter folder")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    bench.add_argument("--datasets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
+    bench.add_argument(
+        "--datasets",
+        nargs="+",
+        default=["gsm8k", "humaneval", "mt-bench"],
+        help="prompt sets; NAME:N takes the first N prompts of NAME instead of --limit (e.g. mt-bench:10)",
+    )
     bench.add_argument("--limit", type=int, default=10, help="prompts per dataset")
-    bench.add_argument("--methods", nargs="+", default=None, help="subset of plain prompt_lookup native assisted ours")
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="subset of: plain prompt_lookup native assisted ours ours_chain ours_tree16 ours_full_block ours_argmax "
+        "(default: all; ours_chain and ours_tree16 run greedy only, ours_argmax under --do-sample only)",
+    )
     bench.add_argument("--full-comparison-limit", type=int, default=None, help="first M prompts of a dataset run all")
     bench.add_argument(
         "--core-methods",
         nargs="+",
         default=None,
-        help="what prompts past --full-comparison-limit run (default: plain assisted ours)",
+        help="what prompts past --full-comparison-limit run (default: plain assisted ours; every plain variant runs "
+        "on every prompt)",
+    )
+    bench.add_argument(
+        "--plain-threads",
+        nargs="*",
+        type=int,
+        default=[],
+        metavar="N",
+        help="also time plain generate at these torch thread counts (method plain_threadsN; the default count is "
+        "`plain`); every speedup is against the faster plain of each dataset",
     )
     bench.add_argument("--max-new-tokens", type=int, default=200)
     bench.add_argument("--repeats", type=int, default=1)
-    bench.add_argument("--do-sample", action="store_true", help="sample (outputs are then not compared)")
+    bench.add_argument(
+        "--do-sample",
+        action="store_true",
+        help="sample (outputs are then not compared); adds ours_argmax, the draft's argmax proposed with a one-hot q",
+    )
     bench.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     bench.add_argument("--draft-block-sizes", nargs="*", type=int, default=[4, 8, 16], help="empty: skip")
-    bench.add_argument("--batch-sizes", nargs="*", type=int, default=[1, 4, 8], help="empty: skip")
+    bench.add_argument(
+        "--batch-sizes", nargs="*", type=int, default=[1, 4, 8], help="batched ours vs batched plain; empty: skip"
+    )
     bench.add_argument(
         "--verify",
         choices=["auto", "all"],
         default="auto",
-        help="`ours`: verify the proposals that pay for their measured cost (auto) or every proposal (all)",
+        help="`ours` and `assisted`: plan each round from the target's measured forward costs (auto: a tree, a chain "
+        "or a plain step) or verify every proposal (all); ours_chain always plans from the measured costs",
     )
     bench.add_argument("--output", default="bench.json", help="JSON report")
     bench.add_argument("--plot", default=None, help="PNG plot; default: next to --output")
@@ -213,6 +244,7 @@ def run_bench(args: argparse.Namespace) -> int:
         methods=tuple(args.methods or defaults.methods),
         full_comparison_limit=args.full_comparison_limit,
         core_methods=tuple(args.core_methods or defaults.core_methods),
+        plain_threads=tuple(args.plain_threads),
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         do_sample=args.do_sample,
