@@ -1,0 +1,75 @@
+"""Modelled speedup of planner variants on the committed drafter, from the costs measured in the run (no timing):
+the planner with trees, without the fallback, chains only, and the draft's probabilities scaled by 0.8 / 0.6.
+
+OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_planner_policies.py gsm8k 8 128   # dataset, prompts, new tokens
+"""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
+
+from hf_dflash import DFlashForDrafting, speculative, speculative_generate, verify_policy
+from hf_dflash.benchmark import load_benchmark_prompts
+from hf_dflash.targets import load_target
+from hf_dflash.verify_policy import VerifyCosts, cached_verify_costs
+
+target, tok = load_target("smollm2-135m-instruct")
+draft = (
+    DFlashForDrafting.from_pretrained(
+        str(Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-instruct")
+    )
+    .to(torch.float32)
+    .eval()
+)
+ds = sys.argv[1]
+n = int(sys.argv[2])
+tokens = int(sys.argv[3])
+prompts = load_benchmark_prompts(tok, [ds], n)
+costs = cached_verify_costs(target, draft, 1, 17)
+log = []
+orig = speculative.SpeculativeStats.record_plan
+
+
+def rec(self, tree, drafted):
+    log.append(tree.num_nodes if drafted else -1)
+    return orig(self, tree, drafted)
+
+
+speculative.SpeculativeStats.record_plan = rec
+
+
+def run(name, fallback=True, scale=1.0, tree=None):
+    log.clear()
+    rec_orig = verify_policy.Fallback.record
+    if not fallback:
+        verify_policy.Fallback.record = lambda *a, **k: None
+    bn = VerifyCosts.best_num_nodes
+    if scale != 1.0:
+        VerifyCosts.best_num_nodes = lambda self, pp: bn(self, pp * scale)
+    toks = 0
+    taus = []
+    for p in prompts:
+        o = speculative_generate(
+            target, draft, p.input_ids[None], max_new_tokens=tokens, verify_costs=costs, tree=tree
+        )
+        toks += o.num_new_tokens[0]
+        taus += o.stats.acceptance_lengths
+    verify_policy.Fallback.record = rec_orig
+    VerifyCosts.best_num_nodes = bn
+    cost = sum(costs.verify[0] if k < 0 else costs.draft + costs.verify[k] for k in log)  # prefill excluded
+    plain_cost = (toks - len(prompts)) * costs.verify[0]
+    print(
+        f"{name:22s} modelled speedup {plain_cost / cost:.3f}  tau {sum(taus) / len(taus):.3f}  plain steps {sum(k < 0 for k in log)}  rounds {sum(k >= 0 for k in log)} nodes/round {sum(k for k in log if k >= 0) / max(1, sum(k >= 0 for k in log)):.2f}",
+        flush=True,
+    )
+
+
+run("auto")
+run("auto no fallback", fallback=False)
+run("chain no fallback", fallback=False, tree=False)
+for s in (0.8, 0.6):
+    run(f"auto scale {s}", scale=s)
+    run(f"auto nofb scale {s}", fallback=False, scale=s)
