@@ -6,24 +6,18 @@ OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_planner_policies.py gsm8k 8 128 
 
 import os
 import sys
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from hf_dflash import DFlashForDrafting, speculative, speculative_generate, verify_policy
 from hf_dflash.benchmark import load_benchmark_prompts
+from hf_dflash.cli import committed_drafter
 from hf_dflash.targets import load_target
 from hf_dflash.verify_policy import VerifyCosts, cached_verify_costs
 
 target, tok = load_target("smollm2-135m-instruct")
-draft = (
-    DFlashForDrafting.from_pretrained(
-        str(Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-instruct")
-    )
-    .to(torch.float32)
-    .eval()
-)
+draft = DFlashForDrafting.from_pretrained(committed_drafter("smollm2-135m-instruct")).to(torch.float32).eval()
 ds = sys.argv[1]
 n = int(sys.argv[2])
 tokens = int(sys.argv[3])

@@ -5,24 +5,18 @@ OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_threads.py
 
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from hf_dflash import DFlashForDrafting
 from hf_dflash.benchmark import load_benchmark_prompts
+from hf_dflash.cli import committed_drafter
 from hf_dflash.targets import load_target
 from hf_dflash.verify_policy import measure_verify_costs
 
 target, tok = load_target("smollm2-135m-instruct")
-draft = (
-    DFlashForDrafting.from_pretrained(
-        str(Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-instruct")
-    )
-    .to(torch.float32)
-    .eval()
-)
+draft = DFlashForDrafting.from_pretrained(committed_drafter("smollm2-135m-instruct")).to(torch.float32).eval()
 prompts = load_benchmark_prompts(tok, ["gsm8k"], 3)
 for threads in (1, 2, 1, 2):
     torch.set_num_threads(threads)

@@ -53,10 +53,9 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from .draft_tree import supports_tree_verification
 from .generation_dflash import noise_block, pad_token_id_of, token_ids
 from .modeling_dflash import DFlashForDrafting
-from .speculative import SpeculativeStats, _has_sliding_window, speculative_generate, synchronized_clock
+from .speculative import SpeculativeStats, speculative_generate, synchronized_clock, tree_unsupported_reason
 from .verify_policy import VerifyCosts, cached_verify_costs
 
 logger = logging.get_logger(__name__)
@@ -383,17 +382,11 @@ def _not_applicable(names: Sequence[str], target: PreTrainedModel, do_sample: bo
             skipped[name] = GREEDY_ONLY[name]
         elif name in SAMPLING_ONLY and not do_sample:
             skipped[name] = SAMPLING_ONLY[name]
-        elif name in TREE_METHODS and not _verifies_trees(target):
-            skipped[name] = "the target cannot verify a draft tree exactly (sliding-window attention or mask)"
+        elif name in TREE_METHODS and (reason := tree_unsupported_reason(target, do_sample)) is not None:
+            skipped[name] = reason
     for name, reason in skipped.items():
         logger.info(f"Method {name!r} left out: {reason}.")
     return skipped
-
-
-@torch.no_grad()
-def _verifies_trees(target: PreTrainedModel) -> bool:
-    """Whether `speculative_generate(..., tree=N)` can run on `target` (the rule it applies itself)."""
-    return not _has_sliding_window(target) and supports_tree_verification(target)
 
 
 def run_benchmark(

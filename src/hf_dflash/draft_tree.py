@@ -19,6 +19,7 @@ Shapes: `b` rows, `N` nodes, `C` cached tokens, `S` slots, `K` candidates per sl
 
 from __future__ import annotations
 
+import functools
 import heapq
 import weakref
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
-    @property
+    @functools.cached_property  # asked by verify, keep and the stats each round: one device sync, not three
     def is_chain(self) -> bool:
         """Every node the child of the one before it (verified with a plain causal mask)."""
         chain = torch.arange(self.num_nodes, device=self.parents.device) - 1

@@ -239,19 +239,24 @@ def _max_tree_nodes(target: PreTrainedModel, tree: bool | int | None, do_sample:
         raise ValueError(f"tree must be None, a bool or a number of nodes >= 0, got {tree!r}.")
     if wanted == 0:
         return 0
-    reason = None
-    if do_sample:
-        reason = "draft trees are verified for greedy decoding only (sampling verifies chains)"
-    elif _has_sliding_window(target):
-        reason = "the target has sliding-window attention, whose window a tree's positions would break"
-    elif not supports_tree_verification(target):
-        reason = "the target does not verify a tree exactly in one forward (a 4D attention mask and positions)"
+    reason = tree_unsupported_reason(target, do_sample)
     if reason is None:
         return wanted
     if tree is None:  # the default quietly falls back to chains
         logger.info(f"Verifying chains: {reason}.")
         return 0
     raise ValueError(f"tree={tree!r} cannot be used: {reason}. Pass tree=False (chains).")
+
+
+def tree_unsupported_reason(target: PreTrainedModel, do_sample: bool) -> str | None:
+    """Why `target` cannot verify draft trees under these settings, or `None` when it can."""
+    if do_sample:
+        return "draft trees are verified for greedy decoding only (sampling verifies chains)"
+    if _has_sliding_window(target):
+        return "the target has sliding-window attention, whose window a tree's positions would break"
+    if not supports_tree_verification(target):
+        return "the target does not verify a tree exactly in one forward (a 4D attention mask and positions)"
+    return None
 
 
 def _resolve_verify_costs(target, draft, verify_costs, batch_size: int, max_tokens: int) -> VerifyCosts | None:
@@ -651,4 +656,11 @@ def synchronized_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-__all__ = ["DecodeState", "SpeculativeOutput", "SpeculativeStats", "accept_sampled", "speculative_generate"]
+__all__ = [
+    "DecodeState",
+    "SpeculativeOutput",
+    "SpeculativeStats",
+    "accept_sampled",
+    "speculative_generate",
+    "tree_unsupported_reason",
+]

@@ -74,9 +74,9 @@ class VerifyCosts:
         """A fresh `Fallback` judging rounds with these costs (what `generate(assistant_model=draft)` asks for)."""
         return Fallback(self)
 
-    def seconds(self, num_nodes: int, drafted: bool = True) -> float:
-        """Modelled seconds of a round verifying `num_nodes` nodes (plus the bonus), with or without a draft forward."""
-        return (self.draft if drafted else 0.0) + self.verify[num_nodes]
+    def seconds(self, num_nodes: int) -> float:
+        """Modelled seconds of a drafted round verifying `num_nodes` nodes (plus the bonus)."""
+        return self.draft + self.verify[num_nodes]
 
     def relative(self) -> list[float]:
         """Verify costs relative to a forward over one token (for reports)."""
@@ -98,12 +98,12 @@ class Fallback:
     min_rounds: int = 4
     first_backoff: int = 8
     max_backoff: int = 256
-    plain_steps_left: int = 0
-    backoff: int = 0
-    _rounds: list[tuple[int, float]] = field(default_factory=list)  # (tokens committed, modelled seconds)
+    plain_steps_left: int = field(default=0, init=False)
+    backoff: int = field(default=0, init=False)  # the next pause; starts at `first_backoff`
+    _rounds: list[tuple[int, float]] = field(default_factory=list, init=False)  # (tokens committed, modelled s)
 
     def __post_init__(self):
-        self.backoff = self.backoff or self.first_backoff
+        self.backoff = self.first_backoff
 
     def should_draft(self) -> bool:
         """Whether this step drafts (`False`: a plain step, which uses up one step of the pause)."""
