@@ -2,8 +2,6 @@
 
 Marked `slow` (about a minute on 2 cores); `.ci/run` runs it after the default suite."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -86,8 +84,8 @@ def test_demo_command_confirms_identical_output(capsys):
 
 
 def test_committed_drafter_exports_the_real_target_heads_draft_rows(smollm2, tmp_path):
-    """A z-lab export of the committed drafter with SmolLM2 itself carries the head vLLM needs, `[8192, 576]`, equal
-    to the committed `zlab/` copy."""
+    """A z-lab export of the committed drafter with SmolLM2 itself carries the head vLLM needs, `[8192, 576]`: the
+    target head's rows of the draft vocabulary, beside the `d2t` that places them."""
     from safetensors.torch import load_file
 
     from hf_dflash.cli import committed_drafter
@@ -103,6 +101,4 @@ def test_committed_drafter_exports_the_real_target_heads_draft_rows(smollm2, tmp
     assert exported["lm_head.weight"].shape == (8192, 576)
     rows = target.get_output_embeddings().weight.detach()[draft.draft_token_ids].to(draft.dtype)
     assert torch.equal(exported["lm_head.weight"], rows)
-    committed = load_file(Path(folder) / "zlab" / "model.safetensors")
-    assert committed.keys() == exported.keys()
-    assert all(torch.equal(committed[name], exported[name]) for name in committed)
+    assert torch.equal(torch.arange(8192) + exported["d2t"], draft.draft_token_ids)
