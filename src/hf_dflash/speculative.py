@@ -28,7 +28,6 @@ is decoded row by row (still lossless), with chains only.
 from __future__ import annotations
 
 import inspect
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +56,7 @@ from .generation_dflash import (
     token_ids,
     warp_logits,
 )
-from .verify_policy import Fallback, VerifyCosts, cached_verify_costs
+from .verify_policy import Fallback, VerifyCosts, cached_verify_costs, synchronized_clock
 
 logger = logging.get_logger(__name__)
 
@@ -507,8 +506,8 @@ def _planned(setup: _Setup, state: DecodeState, candidates: DraftTree) -> DraftT
     """The first nodes of the best-first `candidates` worth their verify cost (all of them without costs)."""
     if setup.verify_costs is None:
         return candidates
-    unfinished = ~state.done.to(candidates.path_probs.device)
-    return candidates.first(setup.verify_costs.best_num_nodes(candidates.path_probs[unfinished]))
+    path_probs = candidates.path_probs.cpu()[~state.done]  # one host copy; `done` lives on the host
+    return candidates.first(setup.verify_costs.best_num_nodes(path_probs))
 
 
 def _plain_step(state: DecodeState) -> Proposal:
@@ -644,16 +643,6 @@ def _output(setup: _Setup, state: DecodeState, input_ids: torch.LongTensor, stat
     stats.new_tokens += sum(len(g) for g in state.generated)
     sequences = torch.cat([input_ids, new.to(input_ids.device)], dim=1)
     return SpeculativeOutput(sequences, [len(g) for g in state.generated], stats)
-
-
-def synchronized_clock(device: torch.device) -> float:
-    """`time.perf_counter()` once `device` has finished its queued work (CUDA and MPS run asynchronously; a CPU
-    has nothing to wait for), so the time between two readings is the work queued between them."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-    return time.perf_counter()
 
 
 __all__ = [

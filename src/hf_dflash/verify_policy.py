@@ -61,7 +61,8 @@ class VerifyCosts:
         Rows of a batch share one verify forward, so their expected tokens add up.
         """
         num_nodes = min(path_probs.shape[1], self.max_nodes)
-        reach = path_probs[:, :num_nodes].float().sum(0)  # [N]: expected rows that accept each node
+        # [N]: expected rows that accept each node; on the host, like the costs (the plan is a host-side number)
+        reach = path_probs[:, :num_nodes].float().sum(0).cpu()
         expected = torch.cat([reach.new_tensor([float(path_probs.shape[0])]), reach]).cumsum(0)  # [N + 1]
         seconds = self.draft + torch.tensor(self.verify[: num_nodes + 1], dtype=expected.dtype)
         return int((expected / seconds).argmax())
@@ -153,10 +154,9 @@ def measure_verify_costs(
     for _ in range(repeats + 1):  # the first pass warms up and is dropped
         for size in range(1, max_tokens + 1):
             new = torch.randint(0, vocab, (batch_size, size), generator=generator).to(device)
-            start = time.perf_counter()
+            start = synchronized_clock(device)
             out = target(input_ids=new, cache=cache, use_cache=True, output_hidden_states=layers)
-            out.logits.argmax(-1).tolist()  # waits for the device
-            timings[size - 1].append(time.perf_counter() - start)
+            timings[size - 1].append(synchronized_clock(device) - start)
             cache.crop(-size)
     verify = tuple(sorted(t[1:])[len(t[1:]) // 2] for t in timings)
     return VerifyCosts(verify=verify, draft=_time_draft(target, draft, out.hidden_states, batch_size, repeats))
@@ -176,6 +176,17 @@ def cached_verify_costs(
     return per_target[key]
 
 
+def synchronized_clock(device: torch.device) -> float:
+    """`time.perf_counter()` once `device` has finished its queued work (CUDA and MPS run asynchronously; a CPU
+    has nothing to wait for), so the time between two readings is the work queued between them. Every timer of the
+    library reads this clock (`hf_dflash.speculative.synchronized_clock` is this function)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+    return time.perf_counter()
+
+
 def _time_draft(target, draft, hidden_states, batch_size: int, repeats: int) -> float:
     """Median seconds of one draft forward over a block and its LM head, conditioned on the last forward's tokens."""
     features = context_features(hidden_states, list(draft.config.target_layer_ids), draft.config.block_size)
@@ -186,9 +197,9 @@ def _time_draft(target, draft, hidden_states, batch_size: int, repeats: int) -> 
     positions = torch.arange(features.shape[1] + block_size, device=target.device).expand(batch_size, -1)
     timings = []
     for _ in range(repeats + 1):
-        start = time.perf_counter()
+        start = synchronized_clock(target.device)
         out = draft(noise_embeds=noise, context_hidden_states=features, position_ids=positions)
-        draft.draft_logits(out.last_hidden_state[:, 1:], target.get_output_embeddings()).argmax(-1).tolist()
-        timings.append(time.perf_counter() - start)
+        draft.draft_logits(out.last_hidden_state[:, 1:], target.get_output_embeddings())
+        timings.append(synchronized_clock(target.device) - start)
     timings = sorted(timings[1:])
     return timings[len(timings) // 2]
