@@ -527,7 +527,8 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         if fields.get("mask_token_id") is None:
             fields["mask_token_id"] = choose_mask_token_id(target, tokenizer)
         config = DFlashConfig(**fields)
-        draft = cls._from_config(config, dtype=target.dtype)  # RoPE frequencies stay fp32, as in the target
+        with target.device:  # initialised on the target's device: no host copy of a target-sized drafter
+            draft = cls._from_config(config, dtype=target.dtype)  # RoPE frequencies stay fp32, as in the target
         return draft.to(target.device)
 
     # ----------------------------------------------------------------------------------------------------------------

@@ -703,7 +703,8 @@ def time_draft_forward(
         config = copy.deepcopy(draft.config)
         config.block_size = block_size
         torch.manual_seed(0)
-        fresh = DFlashForDrafting(config).to(device=device, dtype=draft.dtype).eval()
+        with device:  # initialised where it runs: a target-sized drafter is slow to initialise on a CPU and copy
+            fresh = DFlashForDrafting(config).to(dtype=draft.dtype).eval()
         cache = DynamicCache(config=fresh.config)
         cache.activate_past_recording()  # sliding draft layers must be able to crop the block back
         anchor = torch.zeros(1, 1, dtype=torch.long, device=device)
