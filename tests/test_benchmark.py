@@ -326,11 +326,11 @@ def test_table_and_plot(report, tmp_path):
 
 
 def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_path, target, draft):
-    from hf_dflash import DFlashForDrafting, cli, targets
+    from hf_dflash import cli, loading
 
     real_run = benchmark.run_benchmark
-    monkeypatch.setattr(targets, "load_target", lambda name, dtype=None: (target, None))
-    monkeypatch.setattr(DFlashForDrafting, "from_pretrained", classmethod(lambda cls, path: draft))
+    monkeypatch.setattr(loading, "load_target_and_tokenizer", lambda **arguments: (target, None))
+    monkeypatch.setattr(loading, "load_draft", lambda path, target, revision=None: draft)
     monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:1]))
     output = tmp_path / "bench.json"
     argv = ["bench", "--draft", "unused", "--max-new-tokens", "6", "--methods", "ours", "--output", str(output)]
@@ -353,11 +353,11 @@ def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_pat
 @pytest.fixture
 def bench_cli(monkeypatch, tmp_path, target, draft):
     """`hf-dflash bench ...options` on the tiny target and two prompts -> (exit code, the report it wrote)."""
-    from hf_dflash import DFlashForDrafting, cli, targets
+    from hf_dflash import cli, loading
 
     real_run = benchmark.run_benchmark
-    monkeypatch.setattr(targets, "load_target", lambda name, dtype=None: (target, None))
-    monkeypatch.setattr(DFlashForDrafting, "from_pretrained", classmethod(lambda cls, path: draft))
+    monkeypatch.setattr(loading, "load_target_and_tokenizer", lambda **arguments: (target, None))
+    monkeypatch.setattr(loading, "load_draft", lambda path, target, revision=None: draft)
     monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:2]))
     output = tmp_path / "bench.json"
 

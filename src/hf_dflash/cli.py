@@ -1,19 +1,52 @@
 """`hf-dflash` command line. Heavy imports happen inside the subcommands so `--help` is instant.
 
-hf-dflash demo [--draft DIR] [--prompt TEXT] [--max-new-tokens N]
-hf-dflash data --source sharegpt --source synthetic --num-prompts N --output FILE.jsonl
-hf-dflash train --data FILE.jsonl --output_dir DIR [--block_size 8 --num_draft_layers 1 ...]  (any TrainingArguments)
+hf-dflash demo [--target T] [--draft DIR] [--prompt TEXT] [--max_new_tokens N]
+hf-dflash data [--target T] --source sharegpt --source synthetic --num_prompts N --output FILE.jsonl [--server_url URL]
+hf-dflash train [--target T] --data FILE.jsonl --output_dir DIR [--block_size 8 ...]  (and every TrainingArguments flag)
+hf-dflash bench [--target T] --draft DIR [--datasets gsm8k humaneval mt-bench:10] [--plain_threads 1] [--do_sample]
 hf-dflash card DIR
-hf-dflash bench --draft DIR [--datasets gsm8k humaneval mt-bench:10] [--plain-threads 1] [--do-sample]
+
+Every command that loads a target takes the same target flags (`hf_dflash.loading.TargetArguments`): `--target` (a
+packaged name, a model folder or a Hub id), `--revision`, `--trust_remote_code`, `--device`, `--dtype`,
+`--attn_implementation`. Flags are documented with underscores, as transformers' are; the dash spelling
+(`--max-new-tokens`) is accepted everywhere too.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+
+from hf_dflash.loading import TargetArguments
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose long flags answer to both spellings, `--max_new_tokens` and `--max-new-tokens`, as
+    `HfArgumentParser` (behind `hf-dflash train`) does; sub-commands inherit the class."""
+
+    def add_argument(self, *names, **kwargs):
+        spellings = ["--" + name[2:].replace("-", "_") if name.startswith("--") else name for name in names]
+        spellings += ["--" + name[2:].replace("_", "-") for name in spellings if name.startswith("--")]
+        return super().add_argument(*dict.fromkeys(spellings), **kwargs)
+
+
+def add_target_flags(parser: argparse.ArgumentParser) -> None:
+    """The fields of `TargetArguments` as flags, with their defaults and help (one definition for every command)."""
+    for field in dataclasses.fields(TargetArguments):
+        aliases = field.metadata.get("aliases", [])
+        if field.type in (bool, "bool"):
+            parser.add_argument(f"--{field.name}", *aliases, action="store_true", help=field.metadata["help"])
+        else:
+            parser.add_argument(f"--{field.name}", *aliases, default=field.default, help=field.metadata["help"])
+
+
+def target_arguments(args: argparse.Namespace) -> TargetArguments:
+    """The `TargetArguments` a command's parsed flags name."""
+    return TargetArguments(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TargetArguments)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"]:  # TrainingArguments has its own parser (HfArgumentParser)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         return run_train(argv[1:])
-    parser = argparse.ArgumentParser(prog="hf-dflash", description=__doc__.split("\n")[0])
+    parser = FlagParser(prog="hf-dflash", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", help="train a drafter (run `hf-dflash train --help` for its options)")
     demo = commands.add_parser("demo", help="generate on a real model with and without a DFlash drafter")
-    demo.add_argument("--target", default="smollm2-135m-instruct", help="a packaged real target (hf_dflash.targets)")
+    add_target_flags(demo)
     demo.add_argument(
-        "--draft", default=None, help="drafter folder; default: the drafter committed for the target, if any"
+        "--draft", default=None, help="drafter folder or Hub id; default: the drafter committed for the target, if any"
     )
     demo.add_argument("--untrained", action="store_true", help="use a fresh, untrained drafter instead")
     demo.add_argument(
@@ -35,21 +68,21 @@ def main(argv: list[str] | None = None) -> int:
         default="Natalia sold clips to 48 of her friends in April, and then she sold half "
         "as many clips in May. How many clips did Natalia sell altogether in April and May?",
     )
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--block-size", type=int, default=8, help="block size of a fresh drafter")
+    demo.add_argument("--max_new_tokens", type=int, default=64)
+    demo.add_argument("--block_size", type=int, default=8, help="block size of a fresh drafter")
     card = commands.add_parser("card", help="write or refresh the model card (README.md) of a drafter folder")
     card.add_argument("dir", help="drafter folder (config.json, optional training_info.json)")
-    card.add_argument("--base-model", default=None, help="target repo id; default: from training_info.json")
-    card.add_argument("--repo-id", default=None, help="Hub repo id of the drafter, used in the card's snippets")
+    card.add_argument("--base_model", default=None, help="target repo id; default: from training_info.json")
+    card.add_argument("--repo_id", default=None, help="Hub repo id of the drafter, used in the card's snippets")
     card.add_argument("--license", default=None, help="license of the drafter (default apache-2.0)")
-    card.add_argument("--acceptance-json", default=None, help='JSON {dataset: {"tau", "speedup", "conditions"}}')
+    card.add_argument("--acceptance_json", default=None, help='JSON {dataset: {"tau", "speedup", "conditions"}}')
     bench = commands.add_parser(
         "bench",
         help="time every decoding path on real prompts against the fastest plain decoding; check identical outputs",
     )
-    bench.add_argument("--target", default="smollm2-135m-instruct", help="a packaged real target (hf_dflash.targets)")
-    bench.add_argument("--draft", required=True, help="drafter folder")
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_target_flags(bench)
+    bench.add_argument("--draft", required=True, help="drafter folder or Hub id")
+    bench.add_argument("--draft_revision", default=None, help="Hub revision of --draft")
     bench.add_argument(
         "--datasets",
         nargs="+",
@@ -62,18 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         help="subset of: plain prompt_lookup native assisted ours ours_chain ours_tree16 ours_full_block ours_argmax "
-        "(default: all; ours_chain and ours_tree16 run greedy only, ours_argmax under --do-sample only)",
+        "(default: all; ours_chain and ours_tree16 run greedy only, ours_argmax under --do_sample only)",
     )
-    bench.add_argument("--full-comparison-limit", type=int, default=None, help="first M prompts of a dataset run all")
+    bench.add_argument("--full_comparison_limit", type=int, default=None, help="first M prompts of a dataset run all")
     bench.add_argument(
-        "--core-methods",
+        "--core_methods",
         nargs="+",
         default=None,
-        help="what prompts past --full-comparison-limit run (default: plain assisted ours; every plain variant runs "
+        help="what prompts past --full_comparison_limit run (default: plain assisted ours; every plain variant runs "
         "on every prompt)",
     )
     bench.add_argument(
-        "--plain-threads",
+        "--plain_threads",
         nargs="*",
         type=int,
         default=[],
@@ -81,17 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         help="also time plain generate at these torch thread counts (method plain_threadsN; the default count is "
         "`plain`); every speedup is against the faster plain of each dataset",
     )
-    bench.add_argument("--max-new-tokens", type=int, default=200)
+    bench.add_argument("--max_new_tokens", type=int, default=200)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument(
-        "--do-sample",
+        "--do_sample",
         action="store_true",
         help="sample (outputs are then not compared); adds ours_argmax, the draft's argmax proposed with a one-hot q",
     )
-    bench.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
-    bench.add_argument("--draft-block-sizes", nargs="*", type=int, default=[4, 8, 16], help="empty: skip")
+    bench.add_argument("--prompt_lookup_num_tokens", type=int, default=10)
+    bench.add_argument("--draft_block_sizes", nargs="*", type=int, default=[4, 8, 16], help="empty: skip")
     bench.add_argument(
-        "--batch-sizes", nargs="*", type=int, default=[1, 4, 8], help="batched ours vs batched plain; empty: skip"
+        "--batch_sizes", nargs="*", type=int, default=[1, 4, 8], help="batched ours vs batched plain; empty: skip"
     )
     bench.add_argument(
         "--verify",
@@ -103,21 +136,31 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--output", default="bench.json", help="JSON report")
     bench.add_argument("--plot", default=None, help="PNG plot; default: next to --output")
     data = commands.add_parser("data", help="regenerate training responses with the target itself (resumable JSONL)")
-    data.add_argument("--target", default="smollm2-135m-instruct", help="a packaged real target (hf_dflash.targets)")
+    add_target_flags(data)
     data.add_argument(
         "--source", action="append", required=True, help="sharegpt, math500, synthetic or a prompts .jsonl; repeat"
     )
-    data.add_argument("--num-prompts", type=int, default=1000, help="prompts per source")
-    data.add_argument("--max-new-tokens", type=int, default=256)
-    data.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
-    data.add_argument("--batch-size", type=int, default=8)
-    data.add_argument("--do-sample", action="store_true", help="sample responses (default: greedy)")
+    data.add_argument("--num_prompts", type=int, default=1000, help="prompts per source")
+    data.add_argument("--max_new_tokens", type=int, default=256)
+    data.add_argument("--max_prompt_tokens", type=int, default=512, help="longer prompts are skipped")
+    data.add_argument("--batch_size", type=int, default=8)
+    data.add_argument("--do_sample", action="store_true", help="sample responses (default: greedy)")
     data.add_argument("--temperature", type=float, default=1.0)
-    data.add_argument("--top-p", type=float, default=1.0)
+    data.add_argument("--top_p", type=float, default=1.0)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--output", required=True, help="JSONL of records; rerun the same command to resume")
     data.add_argument(
-        "--unfiltered-evaluation-set",
+        "--server_url",
+        default=None,
+        help="regenerate through this OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp) serving --target, "
+        "e.g. http://localhost:8000/v1; --target then only supplies the tokenizer and chat template",
+    )
+    data.add_argument("--server_model", default=None, help="model name the server knows (default: its first model)")
+    data.add_argument("--concurrency", type=int, default=8, help="requests in flight with --server_url")
+    data.add_argument("--max_retries", type=int, default=5, help="retries of a failed request, with backoff")
+    data.add_argument("--request_timeout", type=float, default=300.0, help="seconds before a request is retried")
+    data.add_argument(
+        "--unfiltered_evaluation_set",
         action="append",
         default=[],
         metavar="NAME",
@@ -137,14 +180,13 @@ def main(argv: list[str] | None = None) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from hf_dflash import DFlashForDrafting, speculative_generate
-    from hf_dflash.targets import load_target
+    from hf_dflash import DFlashForDrafting, loading, speculative_generate
     from hf_dflash.verify_policy import cached_verify_costs
 
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
     draft_path = args.draft or (None if args.untrained else committed_drafter(args.target))
     if draft_path:
-        draft = DFlashForDrafting.from_pretrained(draft_path).to(target.dtype).eval()
+        draft = loading.load_draft(draft_path, target)
         print(f"drafter: {draft_path}")
     else:
         torch.manual_seed(0)
@@ -152,9 +194,10 @@ def run_demo(args: argparse.Namespace) -> int:
             target, num_hidden_layers=1, block_size=args.block_size, tokenizer=tokenizer
         )
         print("drafter: fresh and UNTRAINED (expect tau near 1 and no speed-up; the output is still the target's own)")
+    print(f"target {args.target} on {target.device} in {str(target.dtype).removeprefix('torch.')}")
     messages = [{"role": "user", "content": args.prompt}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs = tokenizer(text, return_tensors="pt")
+    inputs = tokenizer(text, return_tensors="pt").to(target.device)
     budget = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     costs = cached_verify_costs(target, draft, batch_size=1)  # measured once, before any timing
     draft.verify_costs = costs  # `generate(assistant_model=draft)` verifies by the same costs (greedy)
@@ -231,12 +274,10 @@ def run_card(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
+    from hf_dflash import benchmark, loading
 
-    from hf_dflash import DFlashForDrafting, benchmark, targets
-
-    target, tokenizer = targets.load_target(args.target, dtype=getattr(torch, args.dtype))
-    draft = DFlashForDrafting.from_pretrained(args.draft).to(target.dtype).eval()
+    target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
+    draft = loading.load_draft(args.draft, target, revision=args.draft_revision)
     defaults = benchmark.BenchmarkConfig()
     config = benchmark.BenchmarkConfig(
         datasets=tuple(args.datasets),
@@ -279,8 +320,8 @@ def run_data(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from hf_dflash.data import end_of_turn_ids, load_training_dataset, regenerate_responses, training_prompts
-    from hf_dflash.targets import load_target
+    from hf_dflash import loading
+    from hf_dflash.data import end_of_turn_ids, load_training_dataset, training_prompts
 
     handler = logging.StreamHandler()  # show the data module's progress notes (resume, filtered prompts)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -288,7 +329,15 @@ def run_data(args: argparse.Namespace) -> int:
     logging.getLogger("hf_dflash").setLevel(logging.INFO)
     start = time.perf_counter()
     output = Path(args.output)
-    target, tokenizer = load_target(args.target)
+    if args.server_url:  # the served target answers; only its tokenizer and generation config are read here
+        if "synthetic" in args.source:
+            raise SystemExit("hf-dflash data: --source synthetic needs the target itself; drop --server_url for it.")
+        target = None
+        tokenizer, generation_config = loading.load_tokenizer_and_generation_config(target_arguments(args))
+    else:
+        target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
+        generation_config = target.generation_config
+    stop_ids = end_of_turn_ids(generation_config, tokenizer)
     prompts = training_prompts(
         args.source,
         args.num_prompts,
@@ -300,23 +349,10 @@ def run_data(args: argparse.Namespace) -> int:
         unfiltered_evaluation_sets=args.unfiltered_evaluation_set,
         progress=True,
     )
-    regenerate_responses(
-        target,
-        tokenizer,
-        prompts,
-        output,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_prompt_tokens=args.max_prompt_tokens,
-    )
+    _regenerate(args, target, tokenizer, prompts, output, stop_ids)
     records = load_training_dataset(output)
     masks = records["loss_mask"]
     supervised = sum(sum(mask) for mask in masks)
-    stop_ids = end_of_turn_ids(target, tokenizer)
     ended = sum(ids[-1] in stop_ids for ids in records["input_ids"])
     summary = {
         "path": str(output),
@@ -328,11 +364,37 @@ def run_data(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - start, 1),
     }
     print(
-        f"{len(records)} records ({ended} ended their turn, the rest hit --max-new-tokens), "
+        f"{len(records)} records ({ended} ended their turn, the rest hit --max_new_tokens), "
         f"{supervised} supervised tokens, {summary['wall_s']} s -> {output}"
     )
     print(json.dumps(summary))
     return 0
+
+
+def _regenerate(args: argparse.Namespace, target, tokenizer, prompts: list, output, stop_ids: list[int]) -> None:
+    """Regenerate the responses locally on the loaded target, or through the server at `--server_url`."""
+    from hf_dflash.data import regenerate_responses
+
+    sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    budget = {"max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
+    if not args.server_url:
+        regenerate_responses(target, tokenizer, prompts, output, batch_size=args.batch_size, **sampling, **budget)
+        return
+    from hf_dflash.server_regeneration import regenerate_responses_with_server
+
+    regenerate_responses_with_server(
+        tokenizer,
+        prompts,
+        output,
+        server_url=args.server_url,
+        model=args.server_model,
+        stop_ids=stop_ids,
+        concurrency=args.concurrency,
+        max_retries=args.max_retries,
+        timeout_s=args.request_timeout,
+        **sampling,
+        **budget,
+    )
 
 
 def run_train(argv: list[str]) -> int:

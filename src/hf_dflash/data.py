@@ -33,7 +33,7 @@ import datasets
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_dflash.prompts import KNOWN_PROMPT_SETS, Prompt, apply_chat_template, get_prompt_set_spec, load_prompts
 
@@ -310,10 +310,12 @@ def training_prompts(
 # Regeneration
 
 
-def end_of_turn_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Token ids that end a turn: the target's EOS ids, the tokenizer's EOS, and the special token that closes
-    a turn in the chat template (e.g. ``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``)."""
-    eos = target.generation_config.eos_token_id
+def end_of_turn_ids(target: PreTrainedModel | GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids that end a turn: the target's EOS ids (from the model or its ``GenerationConfig``), the
+    tokenizer's EOS, and the special token that closes a turn in the chat template (e.g. ``<|im_end|>``,
+    ``<|eot_id|>``, ``<end_of_turn>``)."""
+    generation_config = target if isinstance(target, GenerationConfig) else target.generation_config
+    eos = generation_config.eos_token_id
     ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
     ids.append(tokenizer.eos_token_id)
     if getattr(tokenizer, "chat_template", None):
@@ -555,7 +557,7 @@ def _missing_evaluation_sets_message(missing: list[tuple[str, Exception]]) -> st
     details = "; ".join(
         f"{name!r} (package {get_prompt_set_spec(name).distribution!r}): {error}" for name, error in missing
     )
-    flags = " ".join(f"--unfiltered-evaluation-set {name}" for name in names)
+    flags = " ".join(f"--unfiltered_evaluation_set {name}" for name in names)
     return (
         f"Cannot keep evaluation sets {', '.join(map(repr, names))} out of the training data: {details}. Install the "
         "benchmark packages with scripts/install_offline_assets.sh, or pass the evaluation items explicitly "

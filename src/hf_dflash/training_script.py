@@ -8,6 +8,7 @@ line (`hf_dflash.cli`) chooses the verbosity and prints the summary.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
@@ -15,28 +16,26 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, PreTrainedModel
+from transformers import HfArgumentParser, PreTrainedModel
 from transformers.utils import logging
 
 from .data import load_training_dataset
 from .generation_dflash import token_ids
+from .loading import TargetArguments, load_target_from_arguments, resolve_device, same_device
 from .modeling_dflash import DFlashForDrafting
-from .targets import KNOWN_TARGETS, load_target
+from .targets import KNOWN_TARGETS
 from .trainer import DFlashTrainer, DFlashTrainingArguments
 
 logger = logging.get_logger(__name__)
 
 
-@dataclass
-class TrainScriptArguments:
-    """What to train on: the target, the regenerated data, and where a drafter starts from."""
+@dataclass(kw_only=True)
+class TrainScriptArguments(TargetArguments):
+    """What to train on: the target (`TargetArguments`, as every command names it), the regenerated data, and where
+    a drafter starts from. The drafter takes the target's dtype; the device is the Trainer's (`--device cpu` sets
+    `--use_cpu`)."""
 
     data: str = field(metadata={"help": "JSONL written by `hf-dflash data` (input_ids, loss_mask, prompt_len)."})
-    target: str = field(
-        default="smollm2-135m-instruct",
-        metadata={"help": f"A packaged target ({', '.join(KNOWN_TARGETS)}) or a model folder / Hub id."},
-    )
-    target_dtype: str = field(default="float32", metadata={"help": "dtype of the frozen target (and the drafter)."})
     init_draft: str | None = field(default=None, metadata={"help": "Start from this drafter folder instead of fresh."})
     draft_vocab_size: int | None = field(
         default=None,
@@ -75,13 +74,15 @@ def parse_train_args(argv: list[str] | None = None) -> tuple[TrainScriptArgument
     """The `hf-dflash train` flags (`sys.argv` when `argv` is None) as the script's and the trainer's arguments."""
     parser = HfArgumentParser((TrainScriptArguments, DFlashTrainingArguments))
     script, args = parser.parse_args_into_dataclasses(args=argv)
+    if script.device is not None and resolve_device(script.device).type == "cpu" and not args.use_cpu:
+        args = dataclasses.replace(args, use_cpu=True)  # the Trainer picks its device from `use_cpu`
     return script, args
 
 
 def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainResult:
     """Train a drafter, save it with its model card in `args.output_dir` (and push it when `args.push_to_hub`)."""
     start = time.perf_counter()
-    target, tokenizer = _load_target(script.target, getattr(torch, script.target_dtype))
+    target, tokenizer = _load_target(script, args)
     dataset = load_training_dataset(script.data)
     split = len(dataset) - script.acceptance_holdout
     if split < 1:
@@ -121,15 +122,15 @@ def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainR
     )
 
 
-def _load_target(name: str, dtype: torch.dtype) -> tuple[PreTrainedModel, object]:
-    if name in KNOWN_TARGETS:
-        return load_target(name, dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError):  # a model folder without tokenizer: pass --mask_token_id
-        tokenizer = None
-    return model, tokenizer
+def _load_target(script: TrainScriptArguments, args: DFlashTrainingArguments) -> tuple[PreTrainedModel, object]:
+    """The frozen target on the Trainer's device; a folder without a tokenizer needs `--mask_token_id`."""
+    if script.device is not None and not same_device(resolve_device(script.device), args.device):
+        raise ValueError(
+            f"--device {script.device} differs from the Trainer's device {args.device}: the Trainer trains on "
+            "cuda:<local rank> (choose GPUs with CUDA_VISIBLE_DEVICES or accelerate launch), on the CPU with "
+            "--device cpu."
+        )
+    return load_target_from_arguments(script, device=args.device, tokenizer_required=False)
 
 
 def _initial_draft(

@@ -1,0 +1,234 @@
+"""One way to load a target and its drafter, for every `hf-dflash` command and for the Python API.
+
+A target is named three ways: a packaged offline target (``hf_dflash.targets.KNOWN_TARGETS``, converted from its
+PyPI GGUF once), a local model folder, or a Hub id (with ``revision``; ``trust_remote_code`` is passed on only when
+asked for). It is loaded straight onto one device (``device``; default: the first accelerator present, else the
+CPU) in one dtype (``dtype``; default: bfloat16 on an accelerator, float32 on the CPU) with the attention
+implementation asked for, in eval mode; its tokenizer pads on the left. The drafter (a folder or a Hub id) is then
+moved to the target's device and dtype and checked against the target.
+
+``TargetArguments`` holds those choices with the help text of their flags: `hf-dflash train` parses it with
+``HfArgumentParser``, the other commands add the same flags to their own parsers, so every command spells them
+the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.utils import logging
+
+from .generation_dflash import check_draft_fits_target
+from .modeling_dflash import DFlashForDrafting
+from .targets import KNOWN_TARGETS, converted_target_folder, prepare_tokenizer
+
+logger = logging.get_logger(__name__)
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TargetArguments:
+    """Which target to load, from where, onto which device and in which dtype (the flags of every command)."""
+
+    target: str = field(
+        default=DEFAULT_TARGET,
+        metadata={"help": f"A packaged target ({', '.join(KNOWN_TARGETS)}), a model folder, or a Hub id."},
+    )
+    revision: str | None = field(default=None, metadata={"help": "Hub revision (branch, tag or commit) of --target."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the target's own modeling code from its folder or Hub repo."}
+    )
+    device: str | None = field(
+        default=None, metadata={"help": "cpu, cuda, cuda:1, mps, ... (default: the first accelerator, else cpu)."}
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": f"{', '.join(DTYPES)} or auto (the checkpoint's own); default: bfloat16 on an accelerator, "
+            "float32 on the CPU.",
+            "aliases": ["--target_dtype"],  # the name `hf-dflash train` used before
+        },
+    )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "eager, sdpa, flash_attention_2, flex_attention, ... (default: transformers')."},
+    )
+
+
+def default_device() -> torch.device:
+    """The first accelerator present (CUDA, then MPS), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a ``torch.device`` (None: ``default_device()``); raises if that device is not present."""
+    if device is None:
+        return default_device()
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"Unknown device {str(device)!r} ({error}); use cpu, cuda, cuda:N or mps.") from error
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"Device {device} was asked for but CUDA is not available here; use --device cpu.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"Device {device} does not exist: this machine has {torch.cuda.device_count()} GPU(s).")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("Device mps was asked for but MPS is not available here; use --device cpu.")
+    return device
+
+
+def same_device(first: torch.device, second: torch.device) -> bool:
+    """Whether two devices are the same one (``cuda`` is ``cuda:0``)."""
+    return first.type == second.type and (first.index or 0) == (second.index or 0)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype | str:
+    """``dtype`` as a ``torch.dtype`` (or ``"auto"``, the checkpoint's own); None: bfloat16 off the CPU, else float32."""
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; use one of {', '.join(DTYPES)} or auto.")
+    return DTYPES[dtype]
+
+
+def load_target_and_tokenizer(
+    target: str | os.PathLike = DEFAULT_TARGET,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str | None = None,
+    tokenizer_required: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load a causal LM target onto ``device`` in ``dtype``, in eval mode, with its tokenizer padding on the left.
+
+    Args:
+        target: a packaged target name (``hf_dflash.targets.KNOWN_TARGETS``), a model folder, or a Hub id.
+        revision: the Hub revision of ``target``.
+        trust_remote_code: run the target's own modeling code (passed on to transformers only when True).
+        device: where the weights go (see ``resolve_device``); dtype: see ``resolve_dtype``.
+        attn_implementation: passed on to ``from_pretrained`` (None: transformers' default).
+        tokenizer_required: when False, a target without a tokenizer loads with ``None`` instead of raising.
+
+    Raises ``FileNotFoundError`` for a path that does not exist and ``OSError`` naming the three ways to name a
+    target when transformers cannot load it.
+    """
+    device = resolve_device(device)
+    source = _target_source(str(target), revision)
+    remote = {"trust_remote_code": True} if trust_remote_code else {}
+    loading = {"revision": revision, "dtype": resolve_dtype(dtype, device), "device_map": device}
+    if attn_implementation is not None:
+        loading["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **loading, **remote)
+    except OSError as error:
+        raise OSError(
+            f"Cannot load target {str(target)!r}: {error}\nA target is a packaged name ({', '.join(KNOWN_TARGETS)}), "
+            "a model folder, or a Hub id (the Hub needs network access: unset HF_HUB_OFFLINE)."
+        ) from error
+    return model.eval(), _load_tokenizer(source, revision, remote, tokenizer_required)
+
+
+def load_target_from_arguments(
+    arguments: TargetArguments, **overrides
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """``load_target_and_tokenizer`` with the ``TargetArguments`` fields of ``arguments`` (a subclass's other fields
+    are left out; ``overrides`` replace or add keywords)."""
+    named = {field.name: getattr(arguments, field.name) for field in fields(TargetArguments)}
+    return load_target_and_tokenizer(**(named | overrides))
+
+
+def load_tokenizer_and_generation_config(
+    arguments: TargetArguments,
+) -> tuple[PreTrainedTokenizerBase, GenerationConfig]:
+    """The target's tokenizer (padding on the left) and generation config, without its weights: what regenerating
+    data through a server that serves the target needs locally."""
+    source = _target_source(arguments.target, arguments.revision)
+    remote = {"trust_remote_code": True} if arguments.trust_remote_code else {}
+    try:
+        generation_config = GenerationConfig.from_pretrained(source, revision=arguments.revision, **remote)
+    except OSError:  # no generation_config.json: the model config's own EOS
+        config = AutoConfig.from_pretrained(source, revision=arguments.revision, **remote)
+        generation_config = GenerationConfig.from_model_config(config)
+    return _load_tokenizer(source, arguments.revision, remote, required=True), generation_config
+
+
+def load_draft(draft: str | os.PathLike, target: PreTrainedModel, *, revision: str | None = None) -> DFlashForDrafting:
+    """Load a drafter (a folder or a Hub id, any layout ``DFlashForDrafting.from_pretrained`` reads) onto the
+    target's device in the target's dtype, in eval mode, and check that it fits the target."""
+    source = _folder_or_hub_id(str(draft), "Drafter")
+    model = DFlashForDrafting.from_pretrained(source, revision=revision, dtype=target.dtype)
+    model = model.to(target.device).eval()
+    check_draft_fits_target(target, model, max_batch_size=None)
+    return model
+
+
+def _target_source(target: str, revision: str | None) -> str:
+    """What ``from_pretrained`` reads: a packaged target's converted folder, a local folder, or the Hub id."""
+    if target in KNOWN_TARGETS:
+        if revision is not None:
+            raise ValueError(f"{target!r} is a packaged target from PyPI; it has no Hub revision (drop --revision).")
+        return str(converted_target_folder(target))
+    return _folder_or_hub_id(target, "Target")
+
+
+def _folder_or_hub_id(name: str, what: str) -> str:
+    """An existing folder (user home expanded), or ``name`` as a Hub id; a path that does not exist raises."""
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        return str(folder)
+    # A Hub id is `name` or `owner/name`: never `./x`, `/x`, `~/x` or `a/b/c`.
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name):
+        packaged = f"a packaged name ({', '.join(KNOWN_TARGETS)}), " if what == "Target" else ""
+        raise FileNotFoundError(
+            f"{what} folder {name!r} does not exist. A {what.lower()} is {packaged}a local folder, or a Hub id "
+            "such as owner/name."
+        )
+    return name
+
+
+def _load_tokenizer(source: str, revision: str | None, remote: dict, required: bool) -> PreTrainedTokenizerBase | None:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, **remote)
+    except (OSError, ValueError) as error:
+        if required:
+            raise OSError(
+                f"{source} has no tokenizer this command can use ({error}); save one next to the model."
+            ) from error
+        logger.warning(f"{source} has no tokenizer ({error}); continuing without one.")
+        return None
+    return prepare_tokenizer(tokenizer)
+
+
+__all__ = [
+    "TargetArguments",
+    "default_device",
+    "load_draft",
+    "load_target_and_tokenizer",
+    "load_target_from_arguments",
+    "load_tokenizer_and_generation_config",
+    "resolve_device",
+    "same_device",
+    "resolve_dtype",
+]

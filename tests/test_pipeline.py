@@ -1,0 +1,88 @@
+"""A user's own target, end to end: `hf-dflash data`, `train`, `bench` and `card` on a model folder, each command in its
+own process with `--target <folder> --device cpu`, as the README's "Your own model" section runs them.
+
+The target is a tiny random Llama saved with a real tokenizer (SmolLM2's, with its chat template), so every command
+meets what a user's folder holds. Marked slow: four fresh processes (about a minute on 2 cores)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from hf_dflash import DFlashForDrafting
+from hf_dflash.data import encode_prompt, prompts_from_jsonl
+from hf_dflash.targets import converted_target_folder
+
+pytestmark = pytest.mark.slow
+
+
+def hf_dflash(*argv: str, cwd) -> subprocess.CompletedProcess:
+    """Run `hf-dflash ARGV` in a fresh process, which must exit 0; returns the finished process."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_dflash.cli", *argv], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, f"hf-dflash {argv[0]} exited {result.returncode}:\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A folder holding `model/` (tiny Llama + SmolLM2's tokenizer) and `prompts.jsonl` (12 prompts)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    tokenizer = AutoTokenizer.from_pretrained(converted_target_folder("smollm2-135m-instruct"))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    lines = [json.dumps({"prompt": f"Write a short note number {i} about ships and the sea."}) for i in range(12)]
+    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_data_train_bench_and_card_run_on_a_model_folder(workspace):
+    target = ["--target", "./model", "--device", "cpu"]
+
+    hf_dflash("data", *target, "--source", "prompts.jsonl", "--num_prompts", "12", "--max_new_tokens", "24",
+              "--output", "data.jsonl", cwd=workspace)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "model")
+    records = [json.loads(line) for line in (workspace / "data.jsonl").read_text().splitlines()]
+    prompts = {prompt.id: prompt for prompt in prompts_from_jsonl(workspace / "prompts.jsonl")}
+    assert sorted(record["id"] for record in records) == sorted(prompts)
+    for record in records:  # the target's chat template, then its own response under the loss mask
+        prompt_ids = encode_prompt(tokenizer, prompts[record["id"]])
+        assert record["input_ids"][: record["prompt_len"]] == prompt_ids
+        assert record["loss_mask"] == [0] * len(prompt_ids) + [1] * (len(record["input_ids"]) - len(prompt_ids))
+
+    hf_dflash("train", *target, "--data", "data.jsonl", "--output_dir", "drafter", "--max_steps", "4",
+              "--block_size", "4", "--acceptance_holdout", "2", "--per_device_train_batch_size", "2",
+              "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", cwd=workspace)  # fmt: skip
+    info = json.loads((workspace / "drafter" / "training_info.json").read_text())
+    assert info["training"]["steps"] == 4 and info["training"]["num_sequences"] == 10
+    draft = DFlashForDrafting.from_pretrained(workspace / "drafter")
+    assert draft.config.block_size == 4 and draft.config.mask_token_id < len(tokenizer)
+
+    result = hf_dflash("bench", *target, "--draft", "drafter", "--datasets", "gsm8k:2", "--max_new_tokens", "16",
+                       "--methods", "ours", "--draft_block_sizes", "--batch_sizes", "--output", "bench.json",
+                       cwd=workspace)  # fmt: skip
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["identical"] and not report["failures"] and report["identity_checked"]
+    assert report["conditions"]["device"] == "cpu" and report["conditions"]["target"] == "./model"
+    ours = report["datasets"]["gsm8k"]["methods"]["ours"]
+    assert ours["prompts"] == 2 and ours["tau"] >= 1.0 and ours["rounds"] + ours["plain_steps"] > 0
+
+    result = hf_dflash("card", "drafter", "--base_model", "me/my-model", cwd=workspace)
+    card = (workspace / "drafter" / "README.md").read_text()
+    assert "base_model: me/my-model" in card and "held-out tau" in result.stdout
