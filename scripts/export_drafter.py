@@ -16,12 +16,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from hf_dflash import DFlashForDrafting, DFlashLayouts
+from hf_dflash.loading import load_target_and_tokenizer
 from hf_dflash.model_card import card_info_from_folder, write_model_card
 from hf_dflash.modeling_dflash import input_embedding_scale
-from hf_dflash.targets import KNOWN_TARGETS, load_target
 from hf_dflash.trainer import TRAINING_INFO_FILE, verify_saved_draft
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument(
         "--acceptance-json", action="append", default=[], help="benchmark report whose tau/speed-up go in the card"
     )
-    parser.add_argument("--target", help="the drafter's target: a packaged name or a local folder")
+    parser.add_argument("--target", help="the drafter's target: a packaged name, a local folder or a Hub id")
     args = parser.parse_args()
     source, destination = Path(args.source), Path(args.destination)
     dtype = getattr(torch, args.dtype)
@@ -58,10 +58,9 @@ def main() -> None:
 
 
 def load_export_target(name_or_folder: str, dtype: torch.dtype) -> PreTrainedModel:
-    """A packaged target (`hf_dflash.targets`) by name, or a causal LM saved in a local folder."""
-    if name_or_folder in KNOWN_TARGETS:
-        return load_target(name_or_folder, dtype=dtype)[0]
-    return AutoModelForCausalLM.from_pretrained(name_or_folder, dtype=dtype).eval()
+    """The drafter's target, named as every `hf-dflash` command names one (a packaged name, a folder or a Hub id),
+    on the CPU: the export only reads its head rows and embedding scale."""
+    return load_target_and_tokenizer(name_or_folder, device="cpu", dtype=dtype, tokenizer_required=False)[0]
 
 
 def acceptance_from_report(path: Path) -> dict:
