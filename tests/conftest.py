@@ -6,6 +6,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Every device this machine has; tests that take the `device` fixture run once on each (ids "cpu", "cuda", "mps").
+DEVICES = (
+    ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (["mps"] if torch.backends.mps.is_available() else [])
+)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """The device a test runs on, each available one in turn; tiny models go there with `.to(device)`."""
+    return request.param
 
 
 @pytest.fixture

@@ -740,10 +740,11 @@ def time_draft_forward(
 
 
 def left_pad(rows: Sequence[torch.LongTensor], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Left-pad 1-D token rows into `[b, L]` ids and attention mask (what batched generation expects)."""
-    length = max(len(r) for r in rows)
-    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    """Left-pad 1-D token rows into `[b, L]` ids and attention mask (what batched generation expects), on the rows'
+    device."""
+    length, device = max(len(r) for r in rows), rows[0].device
+    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long, device=device)
+    mask = torch.zeros(len(rows), length, dtype=torch.long, device=device)
     for i, row in enumerate(rows):
         ids[i, length - len(row) :] = row
         mask[i, length - len(row) :] = 1
