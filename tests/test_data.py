@@ -132,6 +132,19 @@ def test_resume_skips_done_ids_and_drops_a_torn_last_line(target, tokenizer, tmp
     assert len(data.load_training_dataset(path)) == 4
 
 
+def test_batches_are_length_sorted_so_they_carry_little_padding(target, tokenizer, tmp_path, monkeypatch):
+    prompts = [make_prompts(8)[i] for i in (7, 0, 6, 1, 5, 2, 4, 3)]  # longest, shortest, next longest, ...
+    calls = count_generated_rows(monkeypatch, target)
+    data.regenerate_responses(target, tokenizer, prompts, tmp_path / "out.jsonl", max_new_tokens=2, batch_size=2)
+    lengths = [len(data.encode_prompt(tokenizer, prompt)) for prompt in prompts]
+    batched = [sorted(lengths, reverse=True)[i : i + 2] for i in range(0, 8, 2)]
+    assert [row.shape[1] for row in calls] == [batch[0] for batch in batched]  # longest first, neighbours together
+    padding = sum(calls[i].shape[1] * 2 - sum(batch) for i, batch in enumerate(batched))
+    unsorted = sum(max(lengths[i : i + 2]) * 2 - sum(lengths[i : i + 2]) for i in range(0, 8, 2))
+    assert padding < unsorted / 3
+    assert sorted(record["id"] for record in read_records(tmp_path / "out.jsonl")) == sorted(p.id for p in prompts)
+
+
 def test_completed_ids_only_reads_the_file(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"id": "a"}\n\n{"id": "b"}\n{"id": "c", "input_')  # a crash mid-write of record c
