@@ -1,0 +1,405 @@
+"""Regenerate training responses on a running inference server through its OpenAI-compatible completions API.
+
+``data.regenerate_responses`` loads the target locally; users who already serve it (vLLM, SGLang, TGI,
+llama.cpp's server all answer ``POST /v1/completions``) can have that engine write the responses instead with
+``regenerate_responses_with_server``. The design:
+
+- **The same records in the same file.** Prompt ids are the local tokenizer's chat-template encoding
+  (``data.encode_prompt``) and the server is sent the very text that encoding tokenizes
+  (``prompts.apply_chat_template``). The answer's ``choices[0].text`` is tokenized without special tokens; a
+  ``"stop"`` finish gets its end-of-turn token appended (the stop id the server names in ``stop_reason`` /
+  ``matched_stop`` when it names one, else ``turn_end_id``: the stop id closing an assistant turn in the
+  template), so the record ends like a locally generated one; a ``"length"`` finish leaves it unfinished.
+  Records equal the local ones token for token when decoding then encoding a response round-trips, which holds
+  for most text but not all (a BPE may merge differently across what were two tokens; engines drop special
+  tokens from the text unless told otherwise).
+- **One writer.** Worker threads (``concurrent.futures``, ``urllib``; no extra dependency) only send
+  requests; the main thread appends each finished record as one line, flushed and fsynced, so a crash tears
+  at most the last line and nothing is written twice. Rerunning the same call resumes: ids already in the
+  file are skipped (``data.completed_ids``) and a torn last line is cut first (``data.drop_torn_last_line``).
+  Lines are in completion order, not prompt order. At most ``2 * concurrency`` requests are queued at a time.
+- **Retries.** Connection errors, timeouts, HTTP 429 and 5xx are retried with exponential backoff and jitter
+  (honouring ``Retry-After``), up to ``max_retries`` times per prompt; other 4xx answers and malformed bodies
+  fail at once. After the first failure no new prompt is sent and no request is retried, the answers still in
+  flight are written as they arrive, and then the failure is raised.
+
+Engine-specific request fields go in ``extra_body``: the template already holds the BOS token, so on vLLM pass
+``{"add_special_tokens": False}`` (its completions endpoint adds one by default), and
+``{"skip_special_tokens": False}`` when responses may contain special tokens.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import threading
+import urllib.error
+import urllib.request
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import transformers
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from hf_dflash.data import completed_ids, drop_torn_last_line, encode_prompt, end_of_turn_ids
+from hf_dflash.prompts import Prompt, apply_chat_template
+
+logger = transformers.utils.logging.get_logger(__name__)
+
+# finish_reason values of a response that ended its turn ("eos_token": TGI before 2.2.1) or hit max_tokens.
+STOP_FINISHES = ("stop", "eos_token")
+LENGTH_FINISH = "length"
+MAX_BACKOFF_S = 60.0  # no single wait between retries is longer, whatever Retry-After asks
+_SENTINEL = "\u2063HF_DFLASH_ASSISTANT\u2063"  # a string no chat template or prompt contains
+
+
+def regenerate_responses_with_server(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Iterable[Prompt],
+    output_path: str | os.PathLike,
+    *,
+    server_url: str,
+    stop_ids: list[int],
+    model: str | None = None,
+    max_new_tokens: int = 256,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_prompt_tokens: int = 512,
+    concurrency: int = 8,
+    max_retries: int = 5,
+    timeout_s: float = 120.0,
+    backoff_s: float = 1.0,
+    api_key: str | None = None,
+    extra_body: dict | None = None,
+    progress: bool = True,
+) -> Path:
+    """Have an OpenAI-compatible server generate the response to each prompt and append ``{id, source,
+    prompt_len, input_ids, loss_mask}`` records to ``output_path`` (JSONL), as ``data.regenerate_responses``
+    does with a local target.
+
+    Args:
+        tokenizer: the target's tokenizer; it renders and encodes prompts and encodes the server's answers.
+        prompts: prompts to answer; ids already in the file, repeated ids and prompts longer than
+            ``max_prompt_tokens`` (in the chat template) are skipped.
+        output_path: the JSONL file, appended to; rerunning the same call resumes it.
+        server_url: the API base, ending in ``/v1`` (``http://host:8000/v1``).
+        stop_ids: the ids that end a turn, as ``data.end_of_turn_ids`` (or ``end_of_turn_ids_from_config``)
+            gives them; one of them is appended to responses the server reports as stopped.
+        model: the served model's name; ``None`` asks ``GET {server_url}/models`` and takes the first.
+        max_new_tokens, do_sample, temperature, top_p: sent as ``max_tokens``, ``temperature`` (0 when
+            greedy) and ``top_p`` (1 when greedy).
+        seed: each request's ``seed`` is derived from it and the prompt id.
+        concurrency: requests in flight at once.
+        max_retries: retries per prompt after its first attempt, on connection errors, timeouts, 429 and 5xx.
+        timeout_s: socket timeout of one attempt (connect, and each read).
+        backoff_s: the first wait between attempts; it doubles on each retry, up to ``MAX_BACKOFF_S``.
+        api_key: sent as ``Authorization: Bearer ...`` when given.
+        extra_body: engine-specific fields merged into every request (see the module docstring).
+        progress: show a progress bar.
+
+    Raises:
+        ConnectionError: a prompt still failed after ``max_retries`` retries (rerun to resume).
+        RuntimeError: the server rejected a request (a 4xx other than 429), with its message.
+        ValueError: the server's answer is not a completions response.
+        In each case everything answered before is in the file.
+    """
+    if concurrency < 1 or max_retries < 0:
+        raise ValueError(
+            f"concurrency must be at least 1 and max_retries at least 0, got {concurrency}, {max_retries}"
+        )
+    output_path = Path(output_path)
+    drop_torn_last_line(output_path)
+    todo = _pending(tokenizer, prompts, output_path, max_prompt_tokens)
+    if not todo:
+        return output_path
+    client = _Client(server_url.rstrip("/"), timeout_s, max_retries, backoff_s, api_key)
+    model = model or client.first_model_id()
+    turn_end = turn_end_id(tokenizer, stop_ids)
+    logger.info(f"Regenerating {len(todo)} responses on {client.url} (model {model!r}, {concurrency} at a time)")
+    sampling = {
+        "max_tokens": max_new_tokens,
+        "temperature": temperature if do_sample else 0.0,
+        "top_p": top_p if do_sample else 1.0,
+        "stream": False,
+    }
+    requests = [
+        {"model": model, "prompt": text, "seed": _request_seed(seed, prompt.id), **sampling, **(extra_body or {})}
+        for prompt, _, text in todo
+    ]
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    finishes = Counter()
+    with (
+        open(output_path, "a", encoding="utf-8") as file,
+        tqdm(total=len(todo), desc="regenerating", unit="prompt", disable=not progress) as bar,
+    ):
+        for answers in _answers(client, requests, [prompt.id for prompt, _, _ in todo], concurrency):
+            records = [_record(todo[index], choice, tokenizer, stop_ids, turn_end) for index, choice in answers]
+            finishes.update(choice["finish_reason"] for _, choice in answers)
+            kept = [record for record in records if len(record["input_ids"]) > record["prompt_len"]]
+            finishes["empty"] += len(records) - len(kept)
+            file.write("".join(json.dumps(record, separators=(",", ":")) + "\n" for record in kept))
+            file.flush()  # this thread is the only writer: a crash tears at most the last line
+            os.fsync(file.fileno())
+            bar.update(len(records))
+    _log_finishes(finishes, len(todo), max_new_tokens)
+    return output_path
+
+
+def turn_end_id(tokenizer: PreTrainedTokenizerBase, stop_ids: list[int]) -> int | None:
+    """The stop id a finished assistant turn ends with: the token that closes an assistant message in the chat
+    template (``<|im_end|>``, ``<|eot_id|>``, ``</s>`` for Mistral, whose user turns close with ``[/INST]``),
+    else the tokenizer's EOS, else the smallest stop id; ``None`` when there is no stop id."""
+    candidates = [_assistant_turn_closer(tokenizer), tokenizer.eos_token_id, *sorted(stop_ids)]
+    return next((i for i in candidates if i is not None and i in stop_ids), None)
+
+
+def end_of_turn_ids_from_config(
+    tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None = None
+) -> list[int]:
+    """``data.end_of_turn_ids`` without the target's weights: its generation config (e.g.
+    ``GenerationConfig.from_pretrained(name)``; ``None`` when it has none) stands in for the target."""
+    stand_in = SimpleNamespace(generation_config=generation_config or GenerationConfig())
+    return end_of_turn_ids(stand_in, tokenizer)
+
+
+# The run
+
+
+def _pending(tokenizer, prompts, output_path: Path, max_prompt_tokens: int) -> list[tuple[Prompt, list[int], str]]:
+    """(prompt, its ids, its rendered text) of each prompt still to answer, as ``regenerate_responses`` picks them."""
+    done = completed_ids(output_path)
+    todo, already, too_long = [], 0, 0
+    for prompt in prompts:
+        if prompt.id in done:
+            already += 1
+            continue
+        done.add(prompt.id)  # also drops repeated ids
+        ids = encode_prompt(tokenizer, prompt)
+        if len(ids) > max_prompt_tokens:
+            too_long += 1
+            continue
+        todo.append((prompt, ids, apply_chat_template(tokenizer, prompt)))
+    if already:
+        logger.info(f"{output_path}: resuming; {already} prompts already done, {len(todo)} to go")
+    if too_long:
+        logger.warning(f"Skipped {too_long} prompts longer than max_prompt_tokens={max_prompt_tokens}")
+    return todo
+
+
+def _log_finishes(finishes: Counter, total: int, max_new_tokens: int) -> None:
+    if finishes[LENGTH_FINISH]:
+        logger.info(f"{finishes[LENGTH_FINISH]} of {total} responses were cut at max_new_tokens={max_new_tokens}")
+    if finishes["empty"]:
+        logger.warning(
+            f"{finishes['empty']} answers held no token (an engine that drops special tokens from the text?) and "
+            "were not written; a rerun asks for them again"
+        )
+
+
+def _answers(
+    client: _Client, requests: list[dict], prompt_ids: list[str], concurrency: int
+) -> Iterator[list[tuple[int, dict]]]:
+    """Send the requests ``concurrency`` at a time; yield the (request index, ``choices[0]``) pairs that arrived
+    at each wake-up. On the first failure nothing new is sent and nothing is retried, the answers in flight are
+    yielded as they arrive, and then the failure is raised."""
+    pool = ThreadPoolExecutor(concurrency, thread_name_prefix="hf-dflash-server")
+    running: dict[Future, int] = {}
+    sent, answered, failure = 0, 0, None
+    try:
+        while True:
+            while failure is None and sent < len(requests) and len(running) < 2 * concurrency:
+                running[pool.submit(client.complete, requests[sent], prompt_ids[sent])] = sent
+                sent += 1
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            answers = []
+            for future in done:
+                index, error = running.pop(future), future.exception()
+                if error is None:
+                    answers.append((index, future.result()))
+                elif failure is None and not isinstance(error, _Cancelled):
+                    failure = error
+                    client.stop.set()  # in-flight attempts still finish; nothing is retried
+            answered += len(answers)
+            yield answers
+    finally:
+        client.stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+    if failure is not None:
+        logger.warning(f"{client.url}: stopping after a failure; {answered} answers were written")
+        raise failure
+
+
+def _request_seed(seed: int, prompt_id: str) -> int:
+    """The local path's seed formula (``seed * 1_000_003 + crc32(id)``) per prompt, kept within int32 for servers
+    that parse seeds that way."""
+    return (seed * 1_000_003 + zlib.crc32(prompt_id.encode())) % 2**31
+
+
+def _record(item: tuple[Prompt, list[int], str], choice: dict, tokenizer, stop_ids: list[int], turn_end: int | None):
+    """The JSONL record of one answer: the prompt ids, then the answer's ids and its end-of-turn token if it stopped."""
+    prompt, ids, _ = item
+    response = tokenizer(choice["text"], add_special_tokens=False).input_ids
+    if choice["finish_reason"] in STOP_FINISHES:
+        named = choice.get("stop_reason", choice.get("matched_stop"))  # vLLM's, SGLang's name of the stop token
+        end = named if isinstance(named, int) and named in stop_ids else turn_end
+        response += [end] if end is not None else []
+    return {
+        "id": prompt.id,
+        "source": prompt.dataset,
+        "prompt_len": len(ids),
+        "input_ids": ids + response,
+        "loss_mask": [0] * len(ids) + [1] * len(response),
+    }
+
+
+def _assistant_turn_closer(tokenizer) -> int | None:
+    """The special token right after an assistant message's content in the chat template, if there is one."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # templates may refuse such a chat (jinja raise_exception); fall back to EOS
+        return None
+    if _SENTINEL not in text:
+        return None
+    suffix = tokenizer(text[text.index(_SENTINEL) + len(_SENTINEL) :], add_special_tokens=False).input_ids
+    return suffix[0] if suffix and suffix[0] in tokenizer.all_special_ids else None
+
+
+# HTTP
+
+
+class _Cancelled(Exception):
+    """A request or retry skipped because the run is stopping after a prompt failed."""
+
+
+@dataclass
+class _Client:
+    """Sends requests to one server with retries; ``stop`` ends all retrying once the run fails."""
+
+    url: str
+    timeout_s: float
+    max_retries: int
+    backoff_s: float
+    api_key: str | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def first_model_id(self) -> str:
+        """The first model ``GET {url}/models`` lists."""
+        url = f"{self.url}/models"
+        answer = self._with_retries(lambda: _parse_json(self._send(url, None), url), "GET /models")
+        models = answer.get("data") if isinstance(answer, dict) else None
+        first = models[0] if isinstance(models, list) and models else None
+        if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+            raise ValueError(f"{url} lists no model ({_snippet(answer)}); pass model=... explicitly")
+        logger.info(f"{url}: using model {first['id']!r}")
+        return first["id"]
+
+    def complete(self, request: dict, prompt_id: str) -> dict:
+        """``choices[0]`` of the server's answer to one completions request (``text``, ``finish_reason``, ...)."""
+        url = f"{self.url}/completions"
+        body = json.dumps(request).encode()
+        if self.stop.is_set():
+            raise _Cancelled()
+        try:
+            return self._with_retries(lambda: _parse_choice(self._send(url, body), url), f"prompt {prompt_id!r}")
+        except Exception:
+            self.stop.set()  # set here, not by the main thread later, so that no queued prompt starts after this
+            raise
+
+    def _with_retries(self, attempt, what: str):
+        last = ""
+        for retry in range(self.max_retries + 1):
+            try:
+                return attempt()
+            except urllib.error.HTTPError as error:
+                message = _error_message(error)
+                if error.code != 429 and error.code < 500:
+                    hint = " (does server_url end in /v1?)" if error.code == 404 else ""
+                    raise RuntimeError(
+                        f"{error.url} rejected {what} with HTTP {error.code}{hint}: {message}"
+                    ) from error
+                last, wait_s = f"HTTP {error.code}: {message}", _retry_after(error)
+            except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, cut short
+                last, wait_s = f"{type(error).__name__}: {error}", 0.0
+            if retry == self.max_retries:
+                break
+            delay = min(max(self.backoff_s * 2**retry * (1 + 0.25 * random.random()), wait_s), MAX_BACKOFF_S)
+            logger.info(f"{self.url}: {what} failed ({last}); retry {retry + 1}/{self.max_retries} in {delay:.2f}s")
+            if self.stop.wait(delay):
+                raise _Cancelled()
+        raise ConnectionError(
+            f"{self.url}: {what} failed {self.max_retries + 1} times; last error: {last}. Everything answered "
+            "before is in the output file: rerun the same command to resume."
+        )
+
+    def _send(self, url: str, body: bytes | None) -> bytes:
+        """One HTTP attempt: POST ``body`` as JSON, or GET when it is ``None``."""
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(url, data=body, headers=headers, method="GET" if body is None else "POST")
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            return response.read()
+
+
+def _parse_json(body: bytes, url: str):
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{url} answered with something that is not JSON: {body[:200]!r}") from error
+
+
+def _parse_choice(body: bytes, url: str) -> dict:
+    """``choices[0]`` of a completions answer, checked to hold a ``text`` and a known ``finish_reason``."""
+    answer = _parse_json(body, url)
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict) or not isinstance(choice.get("text"), str):
+        raise ValueError(
+            f"{url} answered without choices[0].text, so it is no completions endpoint: {_snippet(answer)}"
+        )
+    if choice.get("finish_reason") not in (*STOP_FINISHES, LENGTH_FINISH):
+        raise ValueError(
+            f"{url} answered with finish_reason {choice.get('finish_reason')!r}; expected one of "
+            f"{', '.join((*STOP_FINISHES, LENGTH_FINISH))}"
+        )
+    return choice
+
+
+def _error_message(error: urllib.error.HTTPError) -> str:
+    """The server's explanation in an error answer (OpenAI-style ``{"error": {"message": ...}}`` or the raw body)."""
+    try:
+        body = error.read().decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException):
+        return error.reason or ""
+    try:
+        detail = json.loads(body).get("error", body)
+    except (json.JSONDecodeError, AttributeError):
+        return body[:500]
+    return str(detail.get("message", detail) if isinstance(detail, dict) else detail)[:500]
+
+
+def _retry_after(error: urllib.error.HTTPError) -> float:
+    """The ``Retry-After`` header in seconds (0 when absent or a date)."""
+    try:
+        return float(error.headers.get("Retry-After", 0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _snippet(value) -> str:
+    return json.dumps(value)[:200]
