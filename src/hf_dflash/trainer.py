@@ -566,6 +566,13 @@ class RealAcceptanceCallback(TrainerCallback):
         self.trainer = trainer
         self.every_n_steps = every_n_steps
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A run resumed from a checkpoint starts with that checkpoint's log history: carry the taus measured before
+        # the interruption into the training info (the card's history), as the uninterrupted run has them.
+        history = [[entry["step"], round(entry["real_tau"], 3)] for entry in state.log_history if "real_tau" in entry]
+        if history:
+            self.trainer.training_info.setdefault("training", {})["held_out_tau_by_step"] = history
+
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.every_n_steps == 0:
             self._measure()
