@@ -26,7 +26,6 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 from hf_dflash import data
 from hf_dflash.prompts import Prompt, apply_chat_template
 from hf_dflash.server_regeneration import (
-    end_of_turn_ids_from_config,
     regenerate_responses_with_server,
     turn_end_id,
 )
@@ -360,9 +359,36 @@ def test_the_appended_end_of_turn_is_the_token_closing_an_assistant_message(targ
         eos="</s>",
     )
     inst_end, eos = mistral.convert_tokens_to_ids(["[/INST]", "</s>"])
-    assert end_of_turn_ids_from_config(mistral) == sorted([inst_end, eos])
+    assert data.end_of_turn_ids(GenerationConfig(), mistral) == sorted([inst_end, eos])
     assert turn_end_id(mistral, [inst_end, eos]) == eos
     # Without the target's weights, its generation config gives the same stop ids.
-    assert end_of_turn_ids_from_config(tokenizer, GenerationConfig(eos_token_id=STOP_WORD)) == data.end_of_turn_ids(
-        target, tokenizer
-    )
+    generation_config = GenerationConfig(eos_token_id=STOP_WORD)
+    assert data.end_of_turn_ids(generation_config, tokenizer) == data.end_of_turn_ids(target, tokenizer)
+
+
+def test_data_command_regenerates_through_the_server(engine, target, tokenizer, local_records, tmp_path):
+    """`hf-dflash data --target <folder> --server_url URL`: only the folder's tokenizer and generation config are read
+    (no weights), and the records equal the local ones."""
+    import logging
+
+    from hf_dflash.cli import main
+
+    folder = tmp_path / "served-model"
+    target.config.save_pretrained(folder)  # what a user's folder holds, minus weights the server has
+    target.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    prompts_path, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    data.write_prompts_jsonl(make_prompts(6), prompts_path)
+    argv = ["data", "--target", str(folder), "--server_url", engine.url, "--source", str(prompts_path)]
+    argv += ["--num_prompts", "6", "--max_new_tokens", str(MAX_NEW), "--output", str(output), "--concurrency", "2"]
+    argv += [arg for name in data.EVALUATION_SETS for arg in ("--unfiltered_evaluation_set", name)]
+    package_logger = logging.getLogger("hf_dflash")
+    handlers, level = list(package_logger.handlers), package_logger.level
+    try:
+        assert main(argv) == 0
+    finally:  # run_data shows the package's log on stderr; undo that for the other tests
+        for handler in package_logger.handlers[len(handlers) :]:
+            package_logger.removeHandler(handler)
+        package_logger.setLevel(level)
+    assert by_id(read_records(output)) == {p.id: local_records[p.id] for p in make_prompts(6)}
+    assert len(engine.requests) == 6

@@ -160,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--max_retries", type=int, default=5, help="retries of a failed request, with backoff")
     data.add_argument("--request_timeout", type=float, default=300.0, help="seconds before a request is retried")
     data.add_argument(
+        "--server_extra_body",
+        type=json.loads,
+        default=None,
+        help='JSON of engine-specific request fields, e.g. \'{"add_special_tokens": false}\' on vLLM (the chat '
+        "template already holds BOS); the OPENAI_API_KEY environment variable, when set, is sent as the API key",
+    )
+    data.add_argument(
         "--unfiltered_evaluation_set",
         action="append",
         default=[],
@@ -392,6 +399,8 @@ def _regenerate(args: argparse.Namespace, target, tokenizer, prompts: list, outp
         concurrency=args.concurrency,
         max_retries=args.max_retries,
         timeout_s=args.request_timeout,
+        api_key=os.environ.get("OPENAI_API_KEY"),
+        extra_body=args.server_extra_body,
         **sampling,
         **budget,
     )

@@ -43,13 +43,12 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import transformers
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from hf_dflash.data import completed_ids, drop_torn_last_line, encode_prompt, end_of_turn_ids
+from hf_dflash.data import completed_ids, drop_torn_last_line, encode_prompt
 from hf_dflash.prompts import Prompt, apply_chat_template
 
 logger = transformers.utils.logging.get_logger(__name__)
@@ -93,7 +92,7 @@ def regenerate_responses_with_server(
             ``max_prompt_tokens`` (in the chat template) are skipped.
         output_path: the JSONL file, appended to; rerunning the same call resumes it.
         server_url: the API base, ending in ``/v1`` (``http://host:8000/v1``).
-        stop_ids: the ids that end a turn, as ``data.end_of_turn_ids`` (or ``end_of_turn_ids_from_config``)
+        stop_ids: the ids that end a turn, as ``data.end_of_turn_ids`` (of the target or its ``GenerationConfig``)
             gives them; one of them is appended to responses the server reports as stopped.
         model: the served model's name; ``None`` asks ``GET {server_url}/models`` and takes the first.
         max_new_tokens, do_sample, temperature, top_p: sent as ``max_tokens``, ``temperature`` (0 when
@@ -161,15 +160,6 @@ def turn_end_id(tokenizer: PreTrainedTokenizerBase, stop_ids: list[int]) -> int 
     else the tokenizer's EOS, else the smallest stop id; ``None`` when there is no stop id."""
     candidates = [_assistant_turn_closer(tokenizer), tokenizer.eos_token_id, *sorted(stop_ids)]
     return next((i for i in candidates if i is not None and i in stop_ids), None)
-
-
-def end_of_turn_ids_from_config(
-    tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None = None
-) -> list[int]:
-    """``data.end_of_turn_ids`` without the target's weights: its generation config (e.g.
-    ``GenerationConfig.from_pretrained(name)``; ``None`` when it has none) stands in for the target."""
-    stand_in = SimpleNamespace(generation_config=generation_config or GenerationConfig())
-    return end_of_turn_ids(stand_in, tokenizer)
 
 
 # The run
