@@ -119,6 +119,8 @@ def load_target_and_tokenizer(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
+    target_adapter: str | os.PathLike | None = None,
+    merge_target_adapter: bool = False,
     tokenizer_required: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a causal LM target onto ``device`` in ``dtype``, in eval mode, with its tokenizer padding on the left.
@@ -129,6 +131,9 @@ def load_target_and_tokenizer(
         trust_remote_code: run the target's own modeling code (passed on to transformers only when True).
         device: where the weights go (see ``resolve_device``); dtype: see ``resolve_dtype``.
         attn_implementation: passed on to ``from_pretrained`` (None: transformers' default).
+        target_adapter: a PEFT adapter (folder or Hub id) loaded onto the target: the result is a ``PeftModel``,
+            or with ``merge_target_adapter`` a plain model with the adapter merged into its weights. Its folder's
+            tokenizer, when it has one, replaces the base's.
         tokenizer_required: when False, a target without a tokenizer loads with ``None`` instead of raising.
 
     Raises ``FileNotFoundError`` for a path that does not exist and ``OSError`` naming the three ways to name a
@@ -147,7 +152,31 @@ def load_target_and_tokenizer(
             f"Cannot load target {str(target)!r}: {error}\nA target is a packaged name ({', '.join(KNOWN_TARGETS)}), "
             "a model folder, or a Hub id (the Hub needs network access: unset HF_HUB_OFFLINE)."
         ) from error
-    return model.eval(), _load_tokenizer(source, revision, remote, tokenizer_required)
+    tokenizer_source = source
+    if target_adapter is not None:
+        model = apply_target_adapter(model, str(target_adapter), merge=merge_target_adapter)
+        tokenizer_source = _adapter_tokenizer_source(str(target_adapter)) or source
+    return model.eval(), _load_tokenizer(tokenizer_source, revision, remote, tokenizer_required)
+
+
+def apply_target_adapter(model: PreTrainedModel, adapter: str, *, merge: bool = False) -> PreTrainedModel:
+    """``model`` with the PEFT adapter ``adapter`` (a folder or a Hub id) loaded for inference: a ``PeftModel``, or the
+    plain model with the adapter merged into its weights when ``merge``."""
+    from peft import PeftModel
+
+    source = _folder_or_hub_id(adapter, "Target adapter")
+    try:
+        adapted = PeftModel.from_pretrained(model, source, is_trainable=False)
+    except RuntimeError as error:
+        if "size mismatch" not in str(error):
+            raise
+        raise ValueError(
+            f"Target adapter {adapter} does not fit this target: its weights have other shapes ({error}). An adapter "
+            "that resized the vocabulary needs the resized base: resize it as the fine-tune did "
+            "(model.resize_token_embeddings(n)), save it as a folder and pass that folder as --target."
+        ) from error
+    adapted = adapted.merge_and_unload() if merge else adapted
+    return adapted.eval()
 
 
 def load_target_from_arguments(
@@ -208,6 +237,13 @@ def _folder_or_hub_id(name: str, what: str) -> str:
     return name
 
 
+def _adapter_tokenizer_source(adapter: str) -> str | None:
+    """An adapter folder that holds its own tokenizer (a fine-tune that added tokens saves one there), else None."""
+    folder = Path(adapter).expanduser()
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    return str(folder) if folder.is_dir() and any((folder / name).is_file() for name in names) else None
+
+
 def _load_tokenizer(source: str, revision: str | None, remote: dict, required: bool) -> PreTrainedTokenizerBase | None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, **remote)
@@ -223,6 +259,7 @@ def _load_tokenizer(source: str, revision: str | None, remote: dict, required: b
 
 __all__ = [
     "TargetArguments",
+    "apply_target_adapter",
     "default_device",
     "load_draft",
     "load_target_and_tokenizer",
