@@ -330,7 +330,7 @@ def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_pat
 
     real_run = benchmark.run_benchmark
     monkeypatch.setattr(loading, "load_target_and_tokenizer", lambda **arguments: (target, None))
-    monkeypatch.setattr(loading, "load_draft", lambda path, target, revision=None: draft)
+    monkeypatch.setattr(loading, "load_draft", lambda path, target, **options: draft)
     monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:1]))
     output = tmp_path / "bench.json"
     argv = ["bench", "--draft", "unused", "--max-new-tokens", "6", "--methods", "ours", "--output", str(output)]
@@ -357,7 +357,7 @@ def bench_cli(monkeypatch, tmp_path, target, draft):
 
     real_run = benchmark.run_benchmark
     monkeypatch.setattr(loading, "load_target_and_tokenizer", lambda **arguments: (target, None))
-    monkeypatch.setattr(loading, "load_draft", lambda path, target, revision=None: draft)
+    monkeypatch.setattr(loading, "load_draft", lambda path, target, **options: draft)
     monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:2]))
     output = tmp_path / "bench.json"
 

@@ -116,3 +116,152 @@ def test_an_adapter_for_a_resized_vocabulary_names_the_fix(tmp_path, adapter_fol
         loading.load_target_and_tokenizer(
             adapter_folders / "target", target_adapter="./no-adapter", tokenizer_required=False
         )
+
+
+# -- LoRA on the drafter ---------------------------------------------------------------------------------------------
+
+
+def regenerated(target, count: int = 4) -> Dataset:
+    """Sequences whose responses `target` wrote itself (greedy), with the loss on the response."""
+    records = []
+    for seed in range(count):
+        sequence = greedy(target, prompt(seed))[0].tolist()
+        records.append({"input_ids": sequence, "loss_mask": [0] * 7 + [1] * (len(sequence) - 7)})
+    return Dataset.from_list(records)
+
+
+def training_args(folder, **overrides) -> DFlashTrainingArguments:
+    defaults = {"block_size": 4, "num_anchors": 8, "report_to": "none", "use_cpu": True, "save_strategy": "no"}
+    defaults |= {"max_steps": 6, "learning_rate": 5e-2, "per_device_train_batch_size": 2, "disable_tqdm": True}
+    return DFlashTrainingArguments(output_dir=str(folder), **(defaults | overrides))
+
+
+@pytest.fixture(scope="module")
+def base_drafter(tmp_path_factory):
+    """A saved drafter for the base Llama (reduced vocabulary of 64 ids) and the fine-tuned target it will adapt to."""
+    folder = tmp_path_factory.mktemp("base-drafter")
+    draft = make_draft(make_target("llama"), block_size=4, num_hidden_layers=2, draft_vocab_size=64)
+    draft.save_pretrained(folder)
+    return folder
+
+
+def adapt(base_drafter, folder, target, **overrides):
+    """Train a rank-4 LoRA on the saved base drafter for `target`; returns the trainer after saving."""
+    from hf_dflash.adapters import DRAFT_LORA_MODULES  # noqa: F401  (the default the config leaves unset)
+
+    base = DFlashForDrafting.from_pretrained(base_drafter).train()
+    trainer = DFlashTrainer(
+        model=base,
+        target=target,
+        args=training_args(folder, **overrides),
+        train_dataset=regenerated(target),
+        peft_config=LoraConfig(r=4, lora_alpha=8),
+        training_info={"base_model": "org/tiny-llama", "target_adapter": "org/tiny-llama-lora"},
+    )
+    trainer.train()
+    trainer.save_model()
+    trainer.create_model_card()
+    return trainer
+
+
+def test_a_drafter_adapter_trains_its_lora_only_and_keeps_the_vocabulary_map(base_drafter, tmp_path):
+    target = lora_target("llama")
+    base = DFlashForDrafting.from_pretrained(base_drafter)
+    trainer = adapt(base_drafter, tmp_path, target)
+    model = trainer.model
+    # By hand: r * (in + out) per projection; q/k/v/o and gate/up/down of each of the 2 layers, hidden 64, MLP 128.
+    config = base.config
+    head_dim, q_out = config.head_dim, config.num_attention_heads * config.head_dim
+    kv_out, mlp = config.num_key_value_heads * head_dim, config.intermediate_size
+    per_layer = (64 + q_out) + 2 * (64 + kv_out) + (q_out + 64) + 2 * (64 + mlp) + (mlp + 64)
+    trainable, total = model.get_nb_trainable_parameters()
+    assert trainable == 4 * per_layer * config.num_hidden_layers
+    assert total - trainable == sum(p.numel() for p in base.parameters())
+    merged = model.merge_and_unload()
+    assert torch.equal(merged.d2t, base.d2t)  # the base's reduced-vocabulary map, untouched
+    for name, weight in base.state_dict().items():  # norms, fc and the map stay the base's; projections moved
+        moved = not torch.equal(merged.state_dict()[name], weight)
+        assert moved == name.endswith(tuple(f"{module}.weight" for module in ("q_proj", "v_proj", "down_proj",
+                                                                              "k_proj", "o_proj", "gate_proj",
+                                                                              "up_proj"))), name  # fmt: skip
+
+
+def test_the_saved_adapter_drafts_losslessly_and_merges_into_a_servable_drafter(base_drafter, tmp_path):
+    from hf_dflash.adapters import load_draft_adapter
+
+    target = lora_target("llama")
+    adapt(base_drafter, tmp_path / "adapter", target, save_zlab_layout=True)
+    files = {path.name for path in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "dflash_adapter.json", "README.md"} <= files
+    assert "model.safetensors" not in files  # the adapter only, never the base drafter's weights
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert f"drafter `{base_drafter}`" in card and "`org/tiny-llama-lora`" in card and "rank 4, alpha 8" in card
+
+    ids = prompt(5)
+    reference = greedy(target, ids)
+    adapted = PeftModel.from_pretrained(DFlashForDrafting.from_pretrained(base_drafter), tmp_path / "adapter").eval()
+    out = speculative_generate(target, adapted, ids, torch.ones_like(ids), max_new_tokens=MAX_NEW)
+    merged = load_draft_adapter(DFlashForDrafting.from_pretrained(base_drafter), tmp_path / "adapter", merge=True)
+    out_merged = speculative_generate(target, merged, ids, torch.ones_like(ids), max_new_tokens=MAX_NEW)
+    assert torch.equal(out.sequences, reference) and torch.equal(out_merged.sequences, reference)
+    assert out.stats.histogram == out_merged.stats.histogram  # the same proposals, merged or not
+    assert torch.equal(greedy(target, ids, assistant_model=merged), reference)
+
+    served = DFlashForDrafting.from_pretrained(tmp_path / "adapter" / "zlab")  # the trainer's merged z-lab copy
+    for name, weight in merged.state_dict().items():
+        torch.testing.assert_close(served.state_dict()[name], weight)
+    via_loader = loading.load_draft(tmp_path / "adapter", target, base_draft=base_drafter)
+    assert isinstance(via_loader, DFlashForDrafting) and via_loader.config.draft_vocab_size == 64
+    assert torch.equal(via_loader.d2t, merged.d2t)
+
+
+def test_adapter_mistakes_name_the_fix(base_drafter, tmp_path):
+    from hf_dflash.adapters import add_draft_adapter, load_draft_adapter
+
+    target = lora_target("llama")
+    adapt(base_drafter, tmp_path / "adapter", target, max_steps=1)
+    other = make_draft(make_target("llama"), block_size=4, num_hidden_layers=2, draft_vocab_size=64, seed=7)
+    with pytest.raises(ValueError, match="was trained on the drafter .* has other weights"):
+        load_draft_adapter(other, tmp_path / "adapter")
+    wrapped = add_draft_adapter(DFlashForDrafting.from_pretrained(base_drafter), LoraConfig(r=2))
+    with pytest.raises(ValueError, match="already a PeftModel"):
+        DFlashTrainer(model=wrapped, target=target, args=training_args(tmp_path), peft_config=LoraConfig(r=2))
+    with pytest.raises(ValueError, match="leave task_type unset"):
+        add_draft_adapter(DFlashForDrafting.from_pretrained(base_drafter), LoraConfig(r=2, task_type="CAUSAL_LM"))
+    from hf_dflash.training_script import TrainScriptArguments
+
+    with pytest.raises(ValueError, match="pass it as --init_draft"):
+        TrainScriptArguments(data="d.jsonl", use_peft=True)
+    with pytest.raises(ValueError, match="drop --draft_vocab_size"):
+        TrainScriptArguments(data="d.jsonl", use_peft=True, init_draft="base", draft_vocab_size=64)
+
+
+def test_train_command_adapts_a_drafter_to_an_adapted_target(base_drafter, adapter_folders, tmp_path, capsys):
+    import json
+
+    from hf_dflash.cli import main
+
+    target = lora_target("llama")
+    data = tmp_path / "data.jsonl"
+    records = [{"id": f"t/{i}"} | record for i, record in enumerate(regenerated(target, count=6))]
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    argv = ["train", "--target", str(adapter_folders / "target"), "--target_adapter", str(adapter_folders / "adapter")]
+    argv += [
+        "--data",
+        str(data),
+        "--init_draft",
+        str(base_drafter),
+        "--use_peft",
+        "--lora_r",
+        "4",
+        "--block_size",
+        "4",
+    ]
+    argv += ["--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--acceptance_holdout", "2", "--device", "cpu"]
+    argv += ["--mask_token_id", str(PAD), "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
+    assert main(argv) == 0
+    info = json.loads((tmp_path / "out" / "training_info.json").read_text())
+    assert info["target_adapter"] == str(adapter_folders / "adapter") and info["base_drafter"] == str(base_drafter)
+    assert info["training"]["trainable_parameters"] < info["training"]["drafter_parameters"]
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
+    assert "trained 2 steps" in capsys.readouterr().out

@@ -356,6 +356,21 @@ def test_checkpoints_hold_the_draft_only_and_reload_identically(tmp_path):
     assert f"| Held-out tau during training | step 3: {logged_tau[0]:.2f} |" in card
 
 
+def test_a_save_is_checked_against_the_state_dict_the_trainer_gathered(tmp_path):
+    """Under FSDP the drafter module holds shards and the Trainer passes `_save` the gathered state dict: the check
+    reads that dict, and it fails when the folder does not hold it."""
+    from hf_dflash.trainer import verify_saved_draft
+
+    draft = make_draft(make_target("llama"), block_size=4, num_hidden_layers=1)
+    draft.save_pretrained(tmp_path)
+    gathered = {name: tensor.clone() for name, tensor in draft.state_dict().items()}
+    reloaded = verify_saved_draft(gathered, tmp_path)
+    assert reloaded.dtype == draft.dtype and torch.equal(reloaded.fc.weight, draft.fc.weight)
+    gathered["fc.weight"] += 1
+    with pytest.raises(RuntimeError, match="weight fc.weight changed on save/reload"):
+        verify_saved_draft(gathered, tmp_path)
+
+
 def test_push_to_hub_uploads_the_drafter_with_its_model_card(tmp_path, monkeypatch):
     """No Hub endpoint is reachable from CI: `hf_api()` is replaced by a local stand-in that records the upload."""
     import transformers.trainer
@@ -580,3 +595,17 @@ def test_train_command_continues_a_drafter_and_rechooses_its_vocabulary(tmp_path
     with pytest.raises(ValueError, match="differs from the 16 of --init_draft"):
         main(common + ["--output_dir", str(tmp_path / "bad"), "--draft_vocab_size", "32"])
     assert not (tmp_path / "bad").exists()
+
+
+def test_resume_true_picks_the_latest_complete_checkpoint(tmp_path):
+    from hf_dflash.training_script import _checkpoint_to_resume
+
+    for step, complete in ((2, True), (10, True), (12, False)):  # checkpoint-12: killed while saving
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert _checkpoint_to_resume("true", str(tmp_path)) == str(tmp_path / "checkpoint-10")  # 10 > 2 as numbers
+    assert _checkpoint_to_resume(str(tmp_path / "checkpoint-2"), str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert _checkpoint_to_resume(None, str(tmp_path)) is None
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        _checkpoint_to_resume("True", str(tmp_path / "empty"))

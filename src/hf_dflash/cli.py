@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     card.add_argument("dir", help="drafter folder (config.json, optional training_info.json)")
     card.add_argument("--base_model", default=None, help="target repo id; default: from training_info.json")
     card.add_argument("--repo_id", default=None, help="Hub repo id of the drafter, used in the card's snippets")
+    card.add_argument(
+        "--base_drafter", default=None, help="a drafter adapter's base drafter (Hub id); default: training_info.json"
+    )
     card.add_argument("--license", default=None, help="license of the drafter (default apache-2.0)")
     card.add_argument("--acceptance_json", default=None, help='JSON {dataset: {"tau", "speedup", "conditions"}}')
     bench = commands.add_parser(
@@ -83,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     add_target_flags(bench)
     bench.add_argument("--draft", required=True, help="drafter folder or Hub id")
     bench.add_argument("--draft_revision", default=None, help="Hub revision of --draft")
+    bench.add_argument(
+        "--base_draft", default=None, help="the base drafter of a --draft adapter folder (default: the one it records)"
+    )
     bench.add_argument(
         "--datasets",
         nargs="+",
@@ -262,6 +268,7 @@ def run_card(args: argparse.Namespace) -> int:
             args.dir,
             base_model=args.base_model,
             drafter_repo_id=args.repo_id,
+            base_drafter=args.base_drafter,
             license=args.license,
             acceptance=acceptance,
         )
@@ -284,7 +291,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from hf_dflash import benchmark, loading
 
     target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
-    draft = loading.load_draft(args.draft, target, revision=args.draft_revision)
+    draft = loading.load_draft(args.draft, target, revision=args.draft_revision, base_draft=args.base_draft)
     defaults = benchmark.BenchmarkConfig()
     config = benchmark.BenchmarkConfig(
         datasets=tuple(args.datasets),

@@ -29,6 +29,7 @@ from transformers import (
 )
 from transformers.utils import logging
 
+from .adapters import is_adapter_folder, load_draft_adapter, read_base_drafter_record
 from .generation_dflash import check_draft_fits_target
 from .modeling_dflash import DFlashForDrafting
 from .targets import KNOWN_TARGETS, converted_target_folder, prepare_tokenizer
@@ -65,6 +66,13 @@ class TargetArguments:
     attn_implementation: str | None = field(
         default=None,
         metadata={"help": "eager, sdpa, flash_attention_2, flex_attention, ... (default: transformers')."},
+    )
+    target_adapter: str | None = field(
+        default=None,
+        metadata={"help": "A PEFT adapter of --target (folder or Hub id), e.g. your LoRA fine-tune, run unmerged."},
+    )
+    merge_target_adapter: bool = field(
+        default=False, metadata={"help": "Merge --target_adapter into the target's weights (merge_and_unload)."}
     )
 
 
@@ -203,9 +211,24 @@ def load_tokenizer_and_generation_config(
     return _load_tokenizer(source, arguments.revision, remote, required=True), generation_config
 
 
-def load_draft(draft: str | os.PathLike, target: PreTrainedModel, *, revision: str | None = None) -> DFlashForDrafting:
+def load_draft(
+    draft: str | os.PathLike,
+    target: PreTrainedModel,
+    *,
+    revision: str | None = None,
+    base_draft: str | os.PathLike | None = None,
+    merge_adapter: bool = True,
+) -> DFlashForDrafting:
     """Load a drafter (a folder or a Hub id, any layout ``DFlashForDrafting.from_pretrained`` reads) onto the
-    target's device in the target's dtype, in eval mode, and check that it fits the target."""
+    target's device in the target's dtype, in eval mode, and check that it fits the target.
+
+    A drafter adapter folder (``hf_dflash.adapters``) is loaded onto its base drafter (``base_draft``, default: the
+    one it records), after checking that base is the drafter it was trained on, and merged into it unless
+    ``merge_adapter=False`` (then a ``PeftModel`` is returned; both draft the same tokens).
+    """
+    if is_adapter_folder(draft):
+        base = load_draft(base_draft or read_base_drafter_record(draft)["name_or_path"], target, revision=revision)
+        return load_draft_adapter(base, Path(draft).expanduser(), merge=merge_adapter).to(target.device)
     source = _folder_or_hub_id(str(draft), "Drafter")
     model = DFlashForDrafting.from_pretrained(source, revision=revision, dtype=target.dtype)
     model = model.to(target.device).eval()

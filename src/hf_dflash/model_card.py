@@ -21,6 +21,7 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 from transformers.utils import logging
 
+from .adapters import ADAPTER_CONFIG_FILE, base_drafter_config, is_adapter_folder
 from .configuration_dflash import DFlashConfig
 from .modeling_dflash import detect_layout
 
@@ -28,6 +29,7 @@ logger = logging.get_logger(__name__)
 
 TEMPLATE = "dflash_drafter.md"
 TRAINING_INFO_FILE = "training_info.json"  # written by the trainer next to the weights
+ADAPTER_LAYOUT = "lora-adapter"  # a PEFT adapter on a drafter (hf_dflash.adapters), not a drafter of its own
 ZLAB_SUBFOLDER = "zlab"  # where a repo in the hf-dflash layout keeps its copy in the z-lab (vLLM/SGLang) layout
 DEFAULT_TAGS = ["dflash", "speculative-decoding", "arxiv:2602.06036", "hf-dflash", "draft-model"]
 
@@ -49,6 +51,8 @@ TRAINING_LABELS = {
     "wall_time_s": "Wall time",
     "machine": "Machine",
     "held_out_tau_by_step": "Held-out tau during training",
+    "trainable_parameters": "Trainable parameters (the adapter)",
+    "drafter_parameters": "Frozen parameters (the base drafter)",
 }
 # `training` keys the trainer also writes that the table already shows from config.json.
 CONFIG_TRAINING_KEYS = {"block_size", "num_draft_layers", "target_layer_ids"}
@@ -72,6 +76,9 @@ class DrafterCardInfo:
     mask_token_id: int | None = None
     num_target_layers: int | None = None
     target_name: str | None = None  # human name of the target; default: the repo id's last part
+    target_adapter: str | None = None  # the PEFT adapter the target runs with (a fine-tune of base_model)
+    base_drafter: str | None = None  # set for a drafter adapter: the drafter it adapts
+    adapter: dict[str, Any] = field(default_factory=dict)  # a drafter adapter's settings (r, alpha, modules, bytes)
     drafter_repo_id: str | None = None  # used in the snippets; default "<your-org>/<target>-DFlash-b<B>"
     license: str = "apache-2.0"
     layout: str = "hf-dflash"  # checkpoint layout at the repo root: "hf-dflash" or "z-lab"
@@ -117,7 +124,7 @@ def render_model_card(info: DrafterCardInfo) -> ModelCard:
     return ModelCard.from_template(
         card_data,
         template_path=str(resources.files("hf_dflash") / "hub_cards" / TEMPLATE),
-        title=f"DFlash drafter for {info.target_name or short_name}",
+        title=f"DFlash drafter {'adapter ' if info.base_drafter else ''}for {info.target_name or short_name}",
         base_model=info.base_model,
         base_model_is_repo=base_model_is_repo,
         repo_id=repo_id,
@@ -130,6 +137,9 @@ def render_model_card(info: DrafterCardInfo) -> ModelCard:
         local_dir=local_dir,
         serve_model=serve_model,
         chat_template=info.training.get("chat_template"),
+        base_drafter=info.base_drafter,
+        target_adapter=info.target_adapter,
+        adapter_text=_adapter_text(info.adapter),
         serving_notes=_serving_notes(info),
         training_rows=_training_rows(info),
         acceptance_rows=_acceptance_rows(info.acceptance),
@@ -155,14 +165,7 @@ def card_info_from_folder(folder: str | os.PathLike, **overrides: Any) -> Drafte
     """Card info from a saved drafter: `config.json` (hf-dflash or z-lab layout), then `training_info.json` if
     present, then `overrides` (`None` values are ignored)."""
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json; is it a saved DFlash drafter?")
-    config_dict = json.loads(config_path.read_text())
-    layout = detect_layout(config_dict)
-    for name in ("model_type", "architectures", "auto_map", "transformers_version"):
-        config_dict.pop(name, None)
-    config = DFlashConfig(**config_dict)  # lifts z-lab's nested `dflash_config`, fills defaults as loading would
+    config, layout = _drafter_config(folder)
     values: dict[str, Any] = {
         "block_size": config.block_size,
         "num_hidden_layers": config.num_hidden_layers,
@@ -176,6 +179,8 @@ def card_info_from_folder(folder: str | os.PathLike, **overrides: Any) -> Drafte
         "causal_sliding_attention": config.causal_sliding_attention,
         "input_embedding_scale": config.input_embedding_scale,
     }
+    if layout == ADAPTER_LAYOUT:
+        values["adapter"] = _adapter_settings(folder)
     if (folder / ZLAB_SUBFOLDER / "config.json").is_file():
         values["zlab_subfolder"] = ZLAB_SUBFOLDER
     if (folder / TRAINING_INFO_FILE).is_file():
@@ -192,6 +197,35 @@ def card_info_from_folder(folder: str | os.PathLike, **overrides: Any) -> Drafte
             f"{TRAINING_INFO_FILE}."
         )
     return DrafterCardInfo(**values)
+
+
+def _drafter_config(folder: Path) -> tuple[DFlashConfig, str]:
+    """The drafter's config and the folder's layout: `config.json` (hf-dflash or z-lab), or for an adapter folder the
+    config of the drafter it adapts (`dflash_adapter.json`)."""
+    if is_adapter_folder(folder):
+        return base_drafter_config(folder), ADAPTER_LAYOUT
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; is it a saved DFlash drafter?")
+    config_dict = json.loads(config_path.read_text())
+    layout = detect_layout(config_dict)
+    for name in ("model_type", "architectures", "auto_map", "transformers_version"):
+        config_dict.pop(name, None)
+    return DFlashConfig(**config_dict), layout  # lifts z-lab's nested `dflash_config`, fills defaults as loading would
+
+
+def _adapter_settings(folder: Path) -> dict[str, Any]:
+    """What a drafter adapter's card states: PEFT type, rank, alpha, modules, and the adapter file's size."""
+    config = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
+    modules = config.get("target_modules") or []
+    weights = sorted(folder.glob("adapter_model.*"))
+    return {
+        "peft_type": config.get("peft_type"),
+        "r": config.get("r"),
+        "lora_alpha": config.get("lora_alpha"),
+        "target_modules": sorted(modules) if isinstance(modules, list) else modules,
+        "bytes": weights[0].stat().st_size if weights else None,
+    }
 
 
 def _serving_notes(info: DrafterCardInfo) -> list[str]:
@@ -227,6 +261,14 @@ def _serving_notes(info: DrafterCardInfo) -> list[str]:
     return notes
 
 
+def _adapter_text(adapter: dict[str, Any]) -> str:
+    """`rank 16, alpha 32, 1.2 MB` for a drafter adapter's settings."""
+    parts = [f"rank {adapter['r']}" if adapter.get("r") else None]
+    parts.append(f"alpha {adapter['lora_alpha']}" if adapter.get("lora_alpha") else None)
+    parts.append(_format_bytes(adapter["bytes"]) if adapter.get("bytes") else None)
+    return ", ".join(part for part in parts if part) or "LoRA"
+
+
 def _training_rows(info: DrafterCardInfo) -> list[tuple[str, str]]:
     rows = [
         ("Target", f"`{info.base_model}`"),
@@ -236,6 +278,11 @@ def _training_rows(info: DrafterCardInfo) -> list[tuple[str, str]]:
     ]
     if info.num_target_layers is not None:
         rows[-1] = (rows[-1][0], f"{rows[-1][1]} (of {info.num_target_layers})")
+    if info.target_adapter:
+        rows.insert(1, ("Target adapter", f"`{info.target_adapter}`"))
+    if info.base_drafter:
+        rows.append(("Base drafter (frozen)", f"`{info.base_drafter}`"))
+        rows.append(("Adapter", f"{_adapter_text(info.adapter)} on {_cell(info.adapter.get('target_modules') or [])}"))
     if info.mask_token_id is not None:
         rows.append(("Mask token id", str(info.mask_token_id)))
     order = list(TRAINING_LABELS)
@@ -279,6 +326,10 @@ def _cell(value: Any) -> str:
     else:
         text = str(value)
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _format_bytes(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
 
 
 def _format_duration(seconds: float) -> str:

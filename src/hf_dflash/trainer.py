@@ -34,6 +34,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
+from .adapters import (
+    add_draft_adapter,
+    base_drafter_record,
+    is_peft_model,
+    save_base_drafter_record,
+    verify_saved_adapter,
+)
 from .collator import (
     DataCollatorForDFlash,
     default_loss_decay_gamma,
@@ -264,6 +271,10 @@ class DFlashTrainer(Trainer):
         acceptance_prompts: `[1, prompt_len]` tensors of held-out prompts; with `args.real_acceptance_steps` the real
             speculative loop runs on them every that many steps and logs `real_tau` next to the simulated `sim_tau`.
         training_info: free-form facts for the model card (data sources, machine, ...), saved next to the weights.
+        peft_config: a `peft.PeftConfig` (e.g. `LoraConfig(r=16)`) to train an adapter on the drafter instead of all
+            its weights, as in TRL's `SFTTrainer(peft_config=...)`: `model` is then the base drafter (warm start; its
+            reduced-vocabulary map is kept), and what is saved is the adapter (`hf_dflash.adapters`). A `model` that
+            already is a `PeftModel` trains its own adapter.
     """
 
     def __init__(
@@ -274,11 +285,16 @@ class DFlashTrainer(Trainer):
         data_collator: Any | None = None,
         acceptance_prompts: list[torch.Tensor] | None = None,
         training_info: dict | None = None,
+        peft_config: Any | None = None,
         **kwargs: Any,
     ):
         if not isinstance(args, DFlashTrainingArguments):
             raise TypeError("DFlashTrainer needs DFlashTrainingArguments (block size, anchors, gamma, ...).")
         check_draft_fits_target(target, model, max_batch_size=None)
+        # The drafter an adapter is trained on, recorded next to the adapter so it is never applied to another one.
+        self.base_drafter = base_drafter_record(model) if peft_config is not None or is_peft_model(model) else None
+        if peft_config is not None:
+            model = add_draft_adapter(model, peft_config)
         if args.block_size != model.config.block_size:
             raise ValueError(
                 f"DFlashTrainingArguments.block_size is {args.block_size} but the drafter's block size is "
@@ -450,11 +466,16 @@ class DFlashTrainer(Trainer):
         if not self.args.should_save:
             return
         draft = self.accelerator.unwrap_model(self.model)
-        verify_saved_draft(draft, output_dir)
-        if self.args.save_zlab_layout:
+        if self.base_drafter is not None:  # an adapter: PEFT wrote it; check it and say which drafter it belongs to
+            verify_saved_adapter(draft, output_dir)
+            save_base_drafter_record(self.base_drafter, output_dir)
+            servable = copy.deepcopy(draft).merge_and_unload() if self.args.save_zlab_layout else None
+        else:  # under FSDP the Trainer passes the gathered `state_dict`; the module's own holds shards
+            servable = verify_saved_draft(draft if state_dict is None else state_dict, output_dir, dtype=draft.dtype)
+        if self.args.save_zlab_layout:  # engines serve a plain drafter: an adapter goes out merged into a copy
             target = self.accelerator.unwrap_model(self.target)  # its head's rows for a reduced vocabulary
-            draft.save_pretrained(Path(output_dir) / "zlab", layout=DFlashLayouts.ZLAB, target=target)
-            verify_saved_draft(draft, Path(output_dir) / "zlab")
+            servable.save_pretrained(Path(output_dir) / "zlab", layout=DFlashLayouts.ZLAB, target=target)
+            verify_saved_draft(servable, Path(output_dir) / "zlab")
         self._write_training_info(output_dir)
 
     def _write_training_info(self, output_dir: str | os.PathLike) -> None:
@@ -474,6 +495,10 @@ class DFlashTrainer(Trainer):
             "max_length": self.args.max_length,
             "distill_weight": self.args.distill_weight,
         }
+        if self.base_drafter is not None:
+            trainable, total = draft.get_nb_trainable_parameters()
+            info["base_drafter"] = self.base_drafter["name_or_path"]
+            info["training"] |= {"trainable_parameters": trainable, "drafter_parameters": total - trainable}
         path = Path(output_dir) / TRAINING_INFO_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
@@ -537,15 +562,22 @@ def cache_target_features(
     return features
 
 
-def verify_saved_draft(draft: DFlashForDrafting, folder: str | os.PathLike) -> None:
-    """Reload `folder` and check every weight equals the draft's (nothing missing, nothing re-initialised)."""
-    reloaded = DFlashForDrafting.from_pretrained(folder, dtype=draft.dtype)
-    saved, expected = reloaded.state_dict(), draft.state_dict()
+def verify_saved_draft(
+    expected: DFlashForDrafting | dict[str, torch.Tensor], folder: str | os.PathLike, dtype: torch.dtype | None = None
+) -> DFlashForDrafting:
+    """Reload `folder` and check every weight equals the draft's (nothing missing, nothing re-initialised); returns
+    the reloaded drafter. `expected` is the draft or its full state dict (what FSDP gathers for saving)."""
+    if isinstance(expected, nn.Module):
+        dtype, expected = expected.dtype, expected.state_dict()
+    dtype = dtype or next(tensor.dtype for tensor in expected.values() if tensor.is_floating_point())
+    reloaded = DFlashForDrafting.from_pretrained(folder, dtype=dtype)
+    saved = reloaded.state_dict()
     if saved.keys() != expected.keys():
         raise RuntimeError(f"{folder}: saved weights {sorted(saved)} differ from the draft's {sorted(expected)}.")
     for name, tensor in expected.items():
         if not torch.equal(saved[name].cpu(), tensor.detach().cpu()):
             raise RuntimeError(f"{folder}: weight {name} changed on save/reload; the checkpoint is not trustworthy.")
+    return reloaded
 
 
 class _EpochAnchorsCallback(TrainerCallback):

@@ -14,14 +14,16 @@ import platform
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import HfArgumentParser, PreTrainedModel
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from .data import load_training_dataset
 from .generation_dflash import token_ids
-from .loading import TargetArguments, load_target_from_arguments, resolve_device, same_device
+from .loading import TargetArguments, load_draft, load_target_from_arguments, resolve_device, same_device
 from .modeling_dflash import DFlashForDrafting
 from .targets import KNOWN_TARGETS
 from .trainer import DFlashTrainer, DFlashTrainingArguments
@@ -47,6 +49,39 @@ class TrainScriptArguments(TargetArguments):
     acceptance_holdout: int = field(
         default=4, metadata={"help": "Records held out of training whose prompts measure the real tau."}
     )
+    use_peft: bool = field(
+        default=False,
+        metadata={"help": "Train a LoRA adapter on the --init_draft drafter instead of all its weights."},
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (with --use_peft)."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (with --use_peft)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (with --use_peft)."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Draft modules that get a LoRA (default: every layer's attention and MLP projections)."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.use_peft and not self.init_draft:
+            raise ValueError("--use_peft adapts an existing drafter: pass it as --init_draft (a folder or a Hub id).")
+        if self.use_peft and self.draft_vocab_size:
+            raise ValueError(
+                "--use_peft keeps the --init_draft drafter's vocabulary map (the adapter is trained on it): drop "
+                "--draft_vocab_size."
+            )
+
+    def peft_config(self):
+        """The `LoraConfig` of `--use_peft` (None without it)."""
+        if not self.use_peft:
+            return None
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=self.lora_target_modules,
+        )
 
 
 @dataclass(frozen=True)
@@ -99,9 +134,10 @@ def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainR
         train_dataset=train_dataset,
         acceptance_prompts=prompts,
         training_info=_training_info(script, train_dataset),
+        peft_config=script.peft_config(),
     )
     before = trainer.measure_real_acceptance()["real_tau"] if prompts else None
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=_checkpoint_to_resume(args.resume_from_checkpoint, args.output_dir))
     after = _final_held_out_tau(trainer) if prompts else None
     wall_s = time.perf_counter() - start
     trainer.training_info["training"]["wall_time_s"] = round(wall_s)
@@ -122,6 +158,24 @@ def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainR
     )
 
 
+def _checkpoint_to_resume(flag: str | None, output_dir: str) -> str | None:
+    """`--resume_from_checkpoint`: a checkpoint folder as given, or for `true` the latest complete checkpoint of
+    output_dir (one whose `trainer_state.json` was written: a kill while saving leaves a newer, partial folder)."""
+    if not isinstance(flag, str) or flag.lower() != "true":
+        return flag
+    complete = [folder for folder in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if _is_complete(folder)]
+    if not complete:
+        raise FileNotFoundError(
+            f"--resume_from_checkpoint true: {output_dir} holds no complete checkpoint (a {PREFIX_CHECKPOINT_DIR}-N "
+            "folder with trainer_state.json); pass a checkpoint folder, or train from the start without the flag."
+        )
+    return str(max(complete, key=lambda folder: int(folder.name.rsplit("-", 1)[1])))
+
+
+def _is_complete(folder: Path) -> bool:
+    return folder.name.rsplit("-", 1)[1].isdigit() and (folder / "trainer_state.json").is_file()
+
+
 def _load_target(script: TrainScriptArguments, args: DFlashTrainingArguments) -> tuple[PreTrainedModel, object]:
     """The frozen target on the Trainer's device; a folder without a tokenizer needs `--mask_token_id`."""
     if script.device is not None and not same_device(resolve_device(script.device), args.device):
@@ -137,7 +191,7 @@ def _initial_draft(
     script: TrainScriptArguments, args: DFlashTrainingArguments, target, tokenizer
 ) -> DFlashForDrafting:
     if script.init_draft:
-        draft = DFlashForDrafting.from_pretrained(script.init_draft).to(target.dtype)
+        draft = load_draft(script.init_draft, target)
         if script.draft_vocab_size and script.draft_vocab_size != draft.config.draft_vocab_size:
             raise ValueError(
                 f"--draft_vocab_size {script.draft_vocab_size} differs from the {draft.config.draft_vocab_size} of "
@@ -180,10 +234,13 @@ def _held_out_prompts(dataset) -> list[torch.Tensor]:
 
 
 def _training_info(script: TrainScriptArguments, train_dataset) -> dict:
-    sources = Counter(train_dataset["source"]) if "source" in train_dataset.column_names else {}
+    sources = (
+        Counter(name for name in train_dataset["source"] if name) if "source" in train_dataset.column_names else {}
+    )
     return {
         "base_model": KNOWN_TARGETS[script.target].hub_id if script.target in KNOWN_TARGETS else script.target,
         "target_name": script.target,
+        "target_adapter": script.target_adapter,  # the PEFT adapter the target ran with, if any
         "training": {
             "data": ", ".join(f"{name} ({count})" for name, count in sorted(sources.items())) or script.data,
             "num_sequences": len(train_dataset),
