@@ -151,11 +151,6 @@ def test_sigkilled_training_resumed_from_its_latest_checkpoint_ends_with_the_sam
     assert_same_training(resume(workspace, killed, tmp_path, "path"), uninterrupted)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="training_script.train passes the --resume_from_checkpoint string to Trainer.train as is, which looks "
-    "for a folder named 'true' (Trainer only resolves the bool True to the output_dir's last checkpoint)",
-)
 def test_resume_from_checkpoint_true_resumes_the_latest_checkpoint(workspace, uninterrupted, killed, tmp_path):
     assert_same_training(resume(workspace, killed, tmp_path, "true"), uninterrupted)
 
