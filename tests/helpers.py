@@ -121,6 +121,23 @@ def greedy_reference(target, prompt: torch.Tensor, max_new_tokens: int, **kwargs
     return out[0]
 
 
+def save_target_and_records(folder: Path, num_records: int, new_tokens: int) -> None:
+    """A tiny Llama saved in `folder/target` and `folder/data.jsonl` of its own greedy continuations of random 6-token
+    prompts, as `hf-dflash data` writes them: what the tests that launch `hf-dflash train` processes train on."""
+    import json
+
+    target = make_target("llama")
+    target.save_pretrained(folder / "target")
+    generator = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(num_records):
+        prompt = torch.randint(0, PAD - 1, (1, 6), generator=generator)
+        ids = greedy_reference(target, prompt[0], new_tokens).tolist()
+        record = {"id": f"t/{i}", "input_ids": ids, "loss_mask": [0] * 6 + [1] * new_tokens, "prompt_len": 6}
+        lines.append(json.dumps(record))
+    (folder / "data.jsonl").write_text("\n".join(lines) + "\n")
+
+
 def load_module(path: Path, name: str | None = None) -> ModuleType:
     """Import a Python file that is not part of a package (``scripts/``, ``benchmarks/``, a saved remote-code copy)."""
     spec = importlib.util.spec_from_file_location(name or path.stem, path)

@@ -9,25 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PAD, make_target
+from helpers import PAD, save_target_and_records
 
 from hf_dflash import DFlashForDrafting, modeling_dflash
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 NUM_RECORDS, HELD_OUT, BATCH = 8, 2, 2  # 6 training sequences, 2 per process and step
-
-
-def write_target_and_data(folder: Path) -> None:
-    target = make_target("llama")
-    target.save_pretrained(folder / "target")
-    generator = torch.Generator().manual_seed(0)
-    lines = []
-    for i in range(NUM_RECORDS):
-        prompt = torch.randint(0, PAD - 1, (1, 6), generator=generator)
-        with torch.no_grad():
-            ids = target.generate(prompt, max_new_tokens=16, do_sample=False)[0].tolist()
-        lines.append(json.dumps({"id": f"t/{i}", "input_ids": ids, "loss_mask": [0] * 6 + [1] * 16, "prompt_len": 6}))
-    (folder / "data.jsonl").write_text("\n".join(lines) + "\n")
 
 
 def train_flags(folder: Path) -> list[str]:
@@ -51,7 +38,7 @@ def assert_trained_on_two_processes(folder: Path, result: subprocess.CompletedPr
 
 @pytest.mark.slow
 def test_two_process_ddp_training_runs_and_saves_one_drafter(tmp_path):
-    write_target_and_data(tmp_path)
+    save_target_and_records(tmp_path, NUM_RECORDS, new_tokens=16)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     command += ["-m", "hf_dflash.cli", "train", *train_flags(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -61,7 +48,7 @@ def test_two_process_ddp_training_runs_and_saves_one_drafter(tmp_path):
 @pytest.mark.slow
 def test_accelerate_launch_with_the_cpu_config_trains_on_two_processes(tmp_path):
     """What a user types, with the config file we ship (`accelerate launch --cpu` would start one process)."""
-    write_target_and_data(tmp_path)
+    save_target_and_records(tmp_path, NUM_RECORDS, new_tokens=16)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml")]
     command += ["-m", "hf_dflash.cli", "train", *train_flags(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)

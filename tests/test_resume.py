@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PAD, make_target
+from helpers import PAD, save_target_and_records
 from safetensors.torch import load_file
 
 from hf_dflash import DFlashForDrafting
@@ -35,16 +35,7 @@ NUM_RECORDS = 12  # 10 train + 2 held out
 def workspace(tmp_path_factory) -> Path:
     """A saved tiny Llama target and JSONL of its own greedy continuations, as `hf-dflash data` writes them."""
     root = tmp_path_factory.mktemp("resume")
-    target = make_target("llama")
-    target.save_pretrained(root / "target")
-    generator = torch.Generator().manual_seed(0)
-    lines = []
-    for i in range(NUM_RECORDS):
-        prompt = torch.randint(0, PAD - 1, (1, 6), generator=generator)
-        with torch.no_grad():
-            ids = target.generate(prompt, max_new_tokens=24, do_sample=False)[0].tolist()
-        lines.append(json.dumps({"id": f"t/{i}", "input_ids": ids, "loss_mask": [0] * 6 + [1] * 24, "prompt_len": 6}))
-    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    save_target_and_records(root, NUM_RECORDS, new_tokens=24)
     return root
 
 

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "--server_extra_body",
         type=json.loads,
         default=None,
-        help='JSON of engine-specific request fields, e.g. \'{"add_special_tokens": false}\' on vLLM (the chat '
+        help="JSON of engine-specific request fields, e.g. '{\"add_special_tokens\": false}' on vLLM (the chat "
         "template already holds BOS); the OPENAI_API_KEY environment variable, when set, is sent as the API key",
     )
     data.add_argument(
@@ -217,12 +217,15 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"target forward over 1..{len(costs.verify)} tokens costs {costs.relative()} x one token")
 
     with torch.no_grad():
-        plain, plain_s = _timed(lambda: target.generate(**inputs, **budget))
-        assisted, assisted_s = _timed(lambda: target.generate(**inputs, assistant_model=draft, **budget))
+        plain, plain_s = _timed(lambda: target.generate(**inputs, **budget), target.device)
+        assisted, assisted_s = _timed(
+            lambda: target.generate(**inputs, assistant_model=draft, **budget), target.device
+        )
         ours, ours_s = _timed(
             lambda: speculative_generate(
                 target, draft, inputs.input_ids, inputs.attention_mask, verify_costs=costs, **budget
-            )
+            ),
+            target.device,
         )
     prompt_len = inputs.input_ids.shape[1]
     new_tokens = plain.shape[1] - prompt_len
@@ -324,10 +327,13 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0 if report["identical"] and not report["failures"] else 1
 
 
-def _timed(run):
-    start = time.perf_counter()
+def _timed(run, device):
+    """`run()` and its seconds, read on the device's clock (CUDA and MPS run asynchronously)."""
+    from hf_dflash.verify_policy import synchronized_clock
+
+    start = synchronized_clock(device)
     result = run()
-    return result, time.perf_counter() - start
+    return result, synchronized_clock(device) - start
 
 
 def run_data(args: argparse.Namespace) -> int:

@@ -405,22 +405,7 @@ def regenerate_responses(
     """
     output_path = Path(output_path)
     drop_torn_last_line(output_path)
-    done = completed_ids(output_path)
-    todo, already, too_long = [], 0, 0
-    for prompt in prompts:
-        if prompt.id in done:
-            already += 1
-            continue
-        done.add(prompt.id)  # also drops repeated ids
-        ids = encode_prompt(tokenizer, prompt)
-        if len(ids) > max_prompt_tokens:
-            too_long += 1
-            continue
-        todo.append((prompt, ids))
-    if already:
-        logger.info(f"{output_path}: resuming; {already} prompts already done, {len(todo)} to go")
-    if too_long:
-        logger.warning(f"Skipped {too_long} prompts longer than max_prompt_tokens={max_prompt_tokens}")
+    todo = pending_prompts(tokenizer, prompts, output_path, max_prompt_tokens)
     stop_ids = end_of_turn_ids(target, tokenizer)
     pad_token_id = _pad_token_id(target, tokenizer)
     output_path.parent.mkdir(parents=True, exist_ok=True)
@@ -459,6 +444,30 @@ def regenerate_responses(
     if unfinished:
         logger.info(f"{unfinished} of {len(todo)} responses were cut at max_new_tokens={max_new_tokens}")
     return output_path
+
+
+def pending_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Iterable[Prompt], output_path: Path, max_prompt_tokens: int
+) -> list[tuple[Prompt, list[int]]]:
+    """(prompt, its chat-template ids) of each prompt still to answer: not in ``output_path`` yet (``completed_ids``),
+    not a repeated id, and at most ``max_prompt_tokens`` long; what was skipped is logged."""
+    done = completed_ids(output_path)
+    todo, already, too_long = [], 0, 0
+    for prompt in prompts:
+        if prompt.id in done:
+            already += 1
+            continue
+        done.add(prompt.id)  # also drops repeated ids
+        ids = encode_prompt(tokenizer, prompt)
+        if len(ids) > max_prompt_tokens:
+            too_long += 1
+            continue
+        todo.append((prompt, ids))
+    if already:
+        logger.info(f"{output_path}: resuming; {already} prompts already done, {len(todo)} to go")
+    if too_long:
+        logger.warning(f"Skipped {too_long} prompts longer than max_prompt_tokens={max_prompt_tokens}")
+    return todo
 
 
 def completed_ids(path: str | os.PathLike) -> set[str]:

@@ -48,7 +48,7 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from hf_dflash.data import completed_ids, drop_torn_last_line, encode_prompt
+from hf_dflash.data import drop_torn_last_line, pending_prompts
 from hf_dflash.prompts import Prompt, apply_chat_template
 
 logger = transformers.utils.logging.get_logger(__name__)
@@ -167,23 +167,8 @@ def turn_end_id(tokenizer: PreTrainedTokenizerBase, stop_ids: list[int]) -> int 
 
 def _pending(tokenizer, prompts, output_path: Path, max_prompt_tokens: int) -> list[tuple[Prompt, list[int], str]]:
     """(prompt, its ids, its rendered text) of each prompt still to answer, as ``regenerate_responses`` picks them."""
-    done = completed_ids(output_path)
-    todo, already, too_long = [], 0, 0
-    for prompt in prompts:
-        if prompt.id in done:
-            already += 1
-            continue
-        done.add(prompt.id)  # also drops repeated ids
-        ids = encode_prompt(tokenizer, prompt)
-        if len(ids) > max_prompt_tokens:
-            too_long += 1
-            continue
-        todo.append((prompt, ids, apply_chat_template(tokenizer, prompt)))
-    if already:
-        logger.info(f"{output_path}: resuming; {already} prompts already done, {len(todo)} to go")
-    if too_long:
-        logger.warning(f"Skipped {too_long} prompts longer than max_prompt_tokens={max_prompt_tokens}")
-    return todo
+    pending = pending_prompts(tokenizer, prompts, output_path, max_prompt_tokens)
+    return [(prompt, ids, apply_chat_template(tokenizer, prompt)) for prompt, ids in pending]
 
 
 def _log_finishes(finishes: Counter, total: int, max_new_tokens: int) -> None:
