@@ -47,3 +47,20 @@ def test_committed_drafter_exports_what_engines_need(folder, tmp_path):
     reloaded = DFlashForDrafting.from_pretrained(tmp_path)
     for name, tensor in reloaded.state_dict().items():
         assert torch.equal(draft.state_dict()[name], tensor), name
+
+
+ADAPTERS = sorted(path.parent for path in (ROOT / "drafters").glob("*/dflash_adapter.json"))
+
+
+@pytest.mark.parametrize("folder", ADAPTERS, ids=lambda path: path.name)
+def test_committed_adapters_fit_their_committed_base_drafter(folder):
+    """A drafter adapter is tied to its base's weights (fingerprint): re-exporting the base drafter must not silently
+    invalidate it, and it must merge into a plain drafter that changes the base."""
+    from hf_dflash.adapters import load_draft_adapter, read_base_drafter_record
+
+    base_path = ROOT / read_base_drafter_record(folder)["name_or_path"]
+    base = DFlashForDrafting.from_pretrained(base_path)
+    merged = load_draft_adapter(DFlashForDrafting.from_pretrained(base_path), folder, merge=True)
+    assert isinstance(merged, DFlashForDrafting) and torch.equal(merged.d2t, base.d2t)
+    assert not torch.equal(merged.layers[0].self_attn.q_proj.weight, base.layers[0].self_attn.q_proj.weight)
+    assert (folder / "README.md").is_file()

@@ -313,6 +313,7 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     report = benchmark.run_benchmark(config, target, tokenizer, draft)
     report["conditions"]["target"] = args.target
+    report["conditions"]["target_adapter"] = args.target_adapter
     report["conditions"]["command"] = "hf-dflash " + " ".join(sys.argv[1:])
     report["conditions"]["draft_path"] = args.draft
     output = Path(args.output)

@@ -154,6 +154,7 @@ def write_model_card(folder: str | os.PathLike, info: DrafterCardInfo) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes the file private; a card is for everyone to read
         os.replace(tmp, folder / "README.md")
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
