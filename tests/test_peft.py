@@ -12,6 +12,7 @@ from helpers import PAD, make_draft, make_oracle, make_target
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from hf_dflash import DFlashForDrafting, loading, speculative_generate
+from hf_dflash.adapters import DRAFT_LORA_MODULES
 from hf_dflash.trainer import DFlashTrainer, DFlashTrainingArguments
 
 FAMILIES = ["llama", "qwen3", "mistral"]
@@ -147,8 +148,6 @@ def base_drafter(tmp_path_factory):
 
 def adapt(base_drafter, folder, target, **overrides):
     """Train a rank-4 LoRA on the saved base drafter for `target`; returns the trainer after saving."""
-    from hf_dflash.adapters import DRAFT_LORA_MODULES  # noqa: F401  (the default the config leaves unset)
-
     base = DFlashForDrafting.from_pretrained(base_drafter).train()
     trainer = DFlashTrainer(
         model=base,
@@ -181,9 +180,7 @@ def test_a_drafter_adapter_trains_its_lora_only_and_keeps_the_vocabulary_map(bas
     assert torch.equal(merged.d2t, base.d2t)  # the base's reduced-vocabulary map, untouched
     for name, weight in base.state_dict().items():  # norms, fc and the map stay the base's; projections moved
         moved = not torch.equal(merged.state_dict()[name], weight)
-        assert moved == name.endswith(tuple(f"{module}.weight" for module in ("q_proj", "v_proj", "down_proj",
-                                                                              "k_proj", "o_proj", "gate_proj",
-                                                                              "up_proj"))), name  # fmt: skip
+        assert moved == name.endswith(tuple(f"{module}.weight" for module in DRAFT_LORA_MODULES)), name
 
 
 def test_the_saved_adapter_drafts_losslessly_and_merges_into_a_servable_drafter(base_drafter, tmp_path):

@@ -35,11 +35,9 @@ DRAFT_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 
 
 def is_peft_model(model: Any) -> bool:
-    """Whether ``model`` is a ``peft.PeftModel`` (without importing peft when it is not installed)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
+    """Whether ``model`` is a ``peft.PeftModel`` (peft is imported on first use, not with the package)."""
+    from peft import PeftModel
+
     return isinstance(model, PeftModel)
 
 
@@ -86,7 +84,9 @@ def add_draft_adapter(draft: DFlashForDrafting, peft_config: Any):
 def base_drafter_record(model: Any) -> dict:
     """``{name_or_path, fingerprint, config}`` of the drafter under an adapter (``model`` a PeftModel on a drafter, or
     the plain drafter an adapter is about to go on): what ``dflash_adapter.json`` holds."""
-    base = copy.deepcopy(model).unload() if is_peft_model(model) else model  # LoRA layers out, base weights as they were
+    base = (
+        copy.deepcopy(model).unload() if is_peft_model(model) else model
+    )  # LoRA layers out, base weights as they were
     return {
         "name_or_path": base.config._name_or_path or None,
         "fingerprint": draft_fingerprint(base),
@@ -148,7 +148,9 @@ def verify_saved_adapter(model: Any, folder: str | os.PathLike) -> None:
         raise RuntimeError(f"{folder}: saved adapter weights {sorted(saved)} differ from {sorted(expected)}.")
     for name, tensor in expected.items():
         if not torch.equal(saved[name], tensor.detach().cpu().to(saved[name].dtype)):
-            raise RuntimeError(f"{folder}: adapter weight {name} changed on save/reload; the adapter is not trustworthy.")
+            raise RuntimeError(
+                f"{folder}: adapter weight {name} changed on save/reload; the adapter is not trustworthy."
+            )
 
 
 __all__ = [
