@@ -47,6 +47,7 @@ from .collator import (
     flex_block_mask,
     simulated_acceptance_length,
 )
+from .draft_init import initialize_draft_from_target
 from .generation_dflash import check_draft_fits_target, context_features, pad_token_id_of
 from .modeling_dflash import DFlashForDrafting, DFlashLayouts
 from .speculative import speculative_generate
@@ -54,6 +55,7 @@ from .speculative import speculative_generate
 logger = logging.get_logger(__name__)
 
 ATTENTION_BACKENDS = ("sdpa", "eager", "flex_attention")
+DRAFT_INITS = ("random", "target")
 TRAINING_INFO_FILE = "training_info.json"
 
 
@@ -94,6 +96,21 @@ class DFlashTrainingArguments(TrainingArguments):
             "help": "0: cross-entropy on the target's tokens; 1: KL to the target's distribution; between: mix."
         },
     )
+    acceptance_loss_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "0: position-decayed loss; 1: the expected-acceptance-length objective (each slot's loss weighted "
+            "by the expected accepted length it can still add, so its gradient is that of -E[tau]); between: mix."
+        },
+    )
+    draft_init: str = field(
+        default="random",
+        metadata={
+            "help": f"One of {DRAFT_INITS}: a new drafter's own random weights, or the target's deepest layers, "
+            "fc selecting the deepest tapped layer and the target's norms (hf_dflash.draft_init); 'target' "
+            "overwrites the weights of the drafter given to the trainer."
+        },
+    )
     cache_target_features: bool = field(
         default=False,
         metadata={
@@ -131,6 +148,10 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if not 0.0 <= self.distill_weight <= 1.0:
             raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}.")
+        if not 0.0 <= self.acceptance_loss_weight <= 1.0:
+            raise ValueError(f"acceptance_loss_weight must be in [0, 1], got {self.acceptance_loss_weight}.")
+        if self.draft_init not in DRAFT_INITS:
+            raise ValueError(f"draft_init must be one of {DRAFT_INITS}, got {self.draft_init!r}.")
         if self.lm_head_chunk_size < 1 or self.max_length < 2:
             raise ValueError("lm_head_chunk_size must be >= 1 and max_length >= 2.")
         if self.cache_target_features and self.distill_weight > 0:
@@ -195,18 +216,25 @@ def block_loss(
     chunk_size: int = 1024,
     teacher_logits: torch.Tensor | None = None,
     distill_weight: float = 0.0,
+    acceptance_weight: float = 0.0,
 ) -> BlockLoss:
     """`sum_k w_k * m_k * loss_k` over supervised slots, computed in checkpointed chunks of `chunk_size` slots.
 
     `head` maps hidden states to logits over the draft vocabulary (`DFlashForDrafting.draft_logits` with the target's
-    LM head), whose indices `labels` use. `loss_k` is cross-entropy against `labels` (the target's tokens), or `(1 - d) * CE + d * KL(p_target || q)` with
-    `teacher_logits` (`[b, N*B, V]`, the target's logits for the same token) and `d = distill_weight`.
+    LM head), whose indices `labels` use. `loss_k` is cross-entropy against `labels` (the target's tokens), or
+    `(1 - d) * CE + d * KL(p_target || q)` with `teacher_logits` (`[b, N*B, V]`, the target's logits for the same
+    token) and `d = distill_weight`. With `a = acceptance_weight`, the weights become `(1 - a) * w_k + a * C_k`, where
+    `C_k` is slot k's share of the block's expected accepted length (`expected_length_shares`).
     """
     weights = loss_weights.flatten()
     rows = torch.nonzero(weights > 0).flatten()  # only supervised slots reach the LM head
     slots = rows % block_size
     flat_hidden = hidden.flatten(0, 1)[rows]
     flat_labels = labels.flatten()[rows]
+    row_weights = weights[rows]
+    if acceptance_weight > 0:
+        shares = expected_length_shares(flat_hidden, head, flat_labels, rows, weights.shape[0], block_size, chunk_size)
+        row_weights = (1 - acceptance_weight) * row_weights + acceptance_weight * shares
     flat_teacher = teacher_logits.flatten(0, 1)[rows] if teacher_logits is not None else None
     weighted_sum = hidden.sum() * 0.0  # touches every trainable parameter even when nothing is supervised
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
@@ -218,7 +246,7 @@ def block_loss(
             flat_hidden[part],
             head,
             flat_labels[part],
-            weights[rows][part],
+            row_weights[part],
             teacher,
             distill_weight,
             use_reentrant=False,
@@ -227,6 +255,37 @@ def block_loss(
         correct += torch.bincount(slots[part][hits], minlength=block_size)
     supervised = torch.bincount(slots, minlength=block_size)
     return BlockLoss(weighted_sum, correct, supervised)
+
+
+@torch.no_grad()
+def expected_length_shares(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    rows: torch.Tensor,
+    num_slots: int,
+    block_size: int,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """`[rows]` weights `C_k = sum_{m >= k} prod_{j <= m} q_j` of supervised slots, `q_j` the draft's probability of
+    the target's token at slot j of the same block (0 at an unsupervised slot: nothing after it is accepted).
+
+    A block's expected accepted length is `E = sum_m prod_{j <= m} q_j`, and `dE = sum_k C_k * d log q_k`: a
+    cross-entropy weighted by these (detached) `C_k` has exactly the gradient of `-E`, the acceptance-length objective
+    (the "LK" losses of SpecForge and NeMo Automodel aim at the same quantity). `hidden` and `labels` are the
+    supervised slots' rows, `rows` their indices among the `num_slots = b * N * B` slots.
+    """
+    probs = [
+        head(hidden[start : start + chunk_size]).float().softmax(-1).gather(-1, chunk[:, None])[:, 0]
+        for start, chunk in zip(range(0, labels.shape[0], chunk_size), labels.split(chunk_size))
+    ]
+    accepted = torch.zeros(num_slots, dtype=torch.float32, device=hidden.device)
+    accepted[rows] = torch.cat(probs) if probs else accepted[:0]
+    accepted = accepted.view(-1, block_size)  # [blocks, B]
+    accepted[:, 0] = 1.0  # the anchor is the last verified token: given
+    prefix = accepted.cumprod(1)  # prod_{j <= m} q_j
+    shares = prefix.flip(1).cumsum(1).flip(1)  # sum_{m >= k} prefix_m
+    return shares.flatten()[rows].to(hidden.dtype)
 
 
 def _chunk_loss(hidden, head, labels, weights, teacher_logits, distill_weight):
@@ -293,6 +352,12 @@ class DFlashTrainer(Trainer):
         check_draft_fits_target(target, model, max_batch_size=None)
         # The drafter an adapter is trained on, recorded next to the adapter so it is never applied to another one.
         self.base_drafter = base_drafter_record(model) if peft_config is not None or is_peft_model(model) else None
+        if args.draft_init == "target":
+            if peft_config is not None or is_peft_model(model):
+                raise ValueError(
+                    "draft_init='target' starts a drafter over; an adapter trains on a given one: drop one."
+                )
+            initialize_draft_from_target(model, target)
         if peft_config is not None:
             model = add_draft_adapter(model, peft_config)
         if args.block_size != model.config.block_size:
@@ -366,6 +431,7 @@ class DFlashTrainer(Trainer):
             self.args.lm_head_chunk_size,
             teacher,
             self.args.distill_weight,
+            self.args.acceptance_loss_weight,
         )
         denominator = num_items_in_batch if num_items_in_batch is not None else inputs["loss_weights"].sum()
         loss = result.weighted_sum / torch.as_tensor(denominator, device=hidden.device).clamp(min=1e-6)
@@ -494,6 +560,8 @@ class DFlashTrainer(Trainer):
             "steps": self.state.global_step,
             "max_length": self.args.max_length,
             "distill_weight": self.args.distill_weight,
+            "acceptance_loss_weight": self.args.acceptance_loss_weight,
+            "draft_init": self.args.draft_init,
         }
         if self.base_drafter is not None:
             trainable, total = draft.get_nb_trainable_parameters()
@@ -629,6 +697,7 @@ __all__ = [
     "RealAcceptanceCallback",
     "block_loss",
     "draft_training_forward",
+    "expected_length_shares",
     "target_forward",
     "verify_saved_draft",
 ]

@@ -190,6 +190,11 @@ def _load_target(script: TrainScriptArguments, args: DFlashTrainingArguments) ->
 def _initial_draft(
     script: TrainScriptArguments, args: DFlashTrainingArguments, target, tokenizer
 ) -> DFlashForDrafting:
+    if script.init_draft and args.draft_init == "target":
+        raise ValueError(
+            f"--draft_init target starts a new drafter from the target's layers; --init_draft {script.init_draft} "
+            "continues a trained one: drop one of them."
+        )
     if script.init_draft:
         draft = load_draft(script.init_draft, target)
         if script.draft_vocab_size and script.draft_vocab_size != draft.config.draft_vocab_size:

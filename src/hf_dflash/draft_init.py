@@ -1,0 +1,118 @@
+"""Start a new drafter from its target's own weights instead of at random (`DFlashTrainingArguments.draft_init`).
+
+A drafter of `L` layers takes the target's deepest `L` decoder layers, parameter by parameter wherever the name and
+shape match (attention and MLP projections, q/k norms, the two pre-norms); `fc` starts as a selection of the deepest
+tapped layer's features, `hidden_norm` as the first copied layer's input norm (so the context's keys and values are
+what that target layer would compute from the same hidden states), and the final norm as the target's. Norms are
+copied by their effective scale (`norm(ones)`), so Gemma's `1 + weight` parametrisation lands as the right scale in
+the drafter's plain RMSNorm. What does not match (the target's activation, sandwich norms, biases) is left at the
+drafter's own initialisation, and logged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from .modeling_dflash import DFlashForDrafting
+
+logger = logging.get_logger(__name__)
+
+# Draft parameter path inside a layer -> where a target layer keeps the same role, in order of preference. Gemma's
+# `post_attention_layernorm` normalises the attention output (a sandwich norm); its pre-MLP norm is
+# `pre_feedforward_layernorm`, which is what the drafter's `post_attention_layernorm` is.
+_ROLE_ALIASES = {"post_attention_layernorm.weight": ["pre_feedforward_layernorm.weight"]}
+
+
+@torch.no_grad()
+def initialize_draft_from_target(draft: DFlashForDrafting, target: PreTrainedModel) -> list[str]:
+    """Overwrite `draft`'s weights with the target's where they fit (see the module docstring); returns the names of
+    the draft parameters that were set. Raises `ValueError` when no layer weight of the target fits the drafter."""
+    target_layers = decoder_layers(target)
+    num_draft = draft.config.num_hidden_layers
+    if num_draft > len(target_layers):
+        raise ValueError(
+            f"draft_init='target' needs one target layer per draft layer: the drafter has {num_draft}, the target "
+            f"{len(target_layers)}. Use fewer draft layers or draft_init='random'."
+        )
+    sources = target_layers[len(target_layers) - num_draft :]  # the deepest layers, in order
+    copied = []
+    for index, (layer, source) in enumerate(zip(draft.layers, sources)):
+        copied += [f"layers.{index}.{name}" for name in _copy_layer(layer, source)]
+    if not copied:
+        raise ValueError(
+            f"draft_init='target': no weight of {type(target).__name__}'s decoder layers fits the drafter's (names "
+            "or shapes differ, e.g. fused projections). Train from a random start with draft_init='random'."
+        )
+    _select_deepest_feature(draft)
+    copied.append("fc.weight")
+    if _copy_norm(draft.hidden_norm, _module(sources[0], "input_layernorm")):
+        copied.append("hidden_norm.weight")
+    if _copy_norm(draft.norm, getattr(target.get_decoder(), "norm", None)):
+        copied.append("norm.weight")
+    left = sorted(set(name for name, _ in draft.named_parameters()) - set(copied))
+    logger.info(
+        f"draft_init='target': {len(copied)} draft weights from target layers "
+        f"{len(target_layers) - num_draft}..{len(target_layers) - 1}; left at their own initialisation: {left}"
+    )
+    return copied
+
+
+def decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
+    """The target's decoder layers: the `ModuleList` of its decoder with one entry per hidden layer."""
+    num_layers = target.config.get_text_config().num_hidden_layers
+    for module in target.get_decoder().modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise ValueError(f"Cannot find {type(target).__name__}'s {num_layers} decoder layers; use draft_init='random'.")
+
+
+def _copy_layer(layer: nn.Module, source: nn.Module) -> list[str]:
+    """Copy each parameter of a draft layer from the target layer's parameter of the same role; the copied names."""
+    source_params = dict(source.named_parameters())
+    copied = []
+    for name, param in layer.named_parameters():
+        for source_name in [name, *_ROLE_ALIASES.get(name, [])][::-1]:  # the alias first: it names the role
+            if name.endswith("norm.weight"):
+                if _copy_norm(_module(layer, name), _module(source, source_name)):
+                    copied.append(name)
+                    break
+            elif source_name in source_params and source_params[source_name].shape == param.shape:
+                param.copy_(source_params[source_name])
+                copied.append(name)
+                break
+    return copied
+
+
+def _copy_norm(norm: nn.Module, source: nn.Module | None) -> bool:
+    """Set an RMSNorm's weight to `source`'s effective scale `source(ones)` when `source` is an RMSNorm of the same
+    width (probed in its own dtype: the target is never converted)."""
+    if source is None or getattr(source, "bias", None) is not None:  # a LayerNorm shifts: not an RMSNorm's scale
+        return False
+    weight = getattr(source, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.shape != norm.weight.shape:
+        return False
+    ones = torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    norm.weight.copy_(source(ones)[0])
+    return True
+
+
+def _select_deepest_feature(draft: DFlashForDrafting) -> None:
+    """`fc` as `[0 ... 0 | I | 0 ...]`: the context starts as the deepest tapped layer's hidden states."""
+    hidden = draft.config.hidden_size
+    deepest = max(range(len(draft.config.target_layer_ids)), key=lambda i: draft.config.target_layer_ids[i])
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, deepest * hidden : (deepest + 1) * hidden] = torch.eye(hidden, dtype=draft.fc.weight.dtype)
+
+
+def _module(root: nn.Module, parameter_name: str) -> nn.Module | None:
+    """The module that holds `parameter_name` (`"self_attn.q_norm.weight"` -> `root.self_attn.q_norm`), if any."""
+    try:
+        return root.get_submodule(parameter_name.rsplit(".", 1)[0])
+    except AttributeError:
+        return None
+
+
+__all__ = ["decoder_layers", "initialize_draft_from_target"]

@@ -1,0 +1,174 @@
+"""The training levers of `DFlashTrainingArguments`, each checked against a hand computation on tiny inputs:
+the acceptance-length objective, distillation, and a drafter initialised from its target."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import make_draft, make_target
+
+from hf_dflash.draft_init import decoder_layers, initialize_draft_from_target
+from hf_dflash.trainer import DFlashTrainer, DFlashTrainingArguments, block_loss, expected_length_shares
+
+B = 4
+
+
+def _two_token_logits(probs: list[float]) -> torch.Tensor:
+    """`[1, len, 2]` logits whose softmax gives token 0 probability `p` at each slot."""
+    p = torch.tensor(probs)
+    return torch.stack([p.log(), (1 - p).log()], -1)[None]
+
+
+def _identity_head(states: torch.Tensor) -> torch.Tensor:
+    return states
+
+
+# -- the acceptance-length objective -------------------------------------------------------------------------------
+
+
+def test_expected_length_shares_by_hand():
+    # One block: the anchor, then slots the draft gets right with probability 0.5, 0.4, 0.2.
+    # prefixes 0.5, 0.2, 0.04 -> C_1 = 0.74, C_2 = 0.24, C_3 = 0.04
+    hidden = _two_token_logits([0.9, 0.5, 0.4, 0.2])[0]
+    rows = torch.tensor([1, 2, 3])
+    labels = torch.zeros(3, dtype=torch.long)
+    shares = expected_length_shares(hidden[rows], _identity_head, labels, rows, B, B, chunk_size=2)
+    torch.testing.assert_close(shares, torch.tensor([0.74, 0.24, 0.04]))
+
+
+def test_an_unsupervised_slot_ends_what_a_block_can_accept():
+    hidden = _two_token_logits([0.9, 0.5, 0.4, 0.2, 0.9, 0.8, 0.5, 0.5])[0]  # two blocks
+    rows = torch.tensor([1, 3, 5, 6, 7])  # slot 2 of the first block is not supervised
+    labels = torch.zeros(5, dtype=torch.long)
+    shares = expected_length_shares(hidden[rows], _identity_head, labels, rows, 2 * B, B)
+    # block 1: prefixes 0.5, 0, 0 -> C_1 = 0.5, C_3 = 0; block 2: prefixes 0.8, 0.4, 0.2 -> 1.4, 0.6, 0.2
+    torch.testing.assert_close(shares, torch.tensor([0.5, 0.0, 1.4, 0.6, 0.2]))
+
+
+def test_the_acceptance_objective_has_the_gradient_of_the_expected_accepted_length():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 3 * B, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 11, bias=False)
+    labels = torch.randint(0, 11, (2, 3 * B))
+    weights = torch.ones(2, 3 * B)
+    weights[:, ::B] = 0  # anchors
+    weights[1, -2:] = 0  # the end of the second sequence
+    result = block_loss(hidden, head, labels, weights, B, chunk_size=5, acceptance_weight=1.0)
+    (grad,) = torch.autograd.grad(result.weighted_sum, hidden)
+    # -E by hand: per block, sum over slots of the running product of q(label), zero where unsupervised
+    q = head(hidden).softmax(-1).gather(-1, labels[..., None])[..., 0] * (weights > 0)
+    q = q.view(-1, B)[:, 1:]
+    expected_length = q.cumprod(1).sum()
+    (grad_reference,) = torch.autograd.grad(-expected_length, hidden)
+    torch.testing.assert_close(grad, grad_reference)
+
+
+def test_half_acceptance_mixes_the_decay_weights_with_the_shares():
+    hidden = _two_token_logits([0.9, 0.5, 0.4, 0.2])
+    labels = torch.zeros(1, B, dtype=torch.long)
+    weights = torch.tensor([[0.0, 1.0, 0.5, 0.25]])
+    result = block_loss(hidden, _identity_head, labels, weights, B, acceptance_weight=0.5)
+    mixed = [0.5 * w + 0.5 * c for w, c in zip([1.0, 0.5, 0.25], [0.74, 0.24, 0.04])]
+    by_hand = sum(m * -math.log(p) for m, p in zip(mixed, [0.5, 0.4, 0.2]))
+    assert result.weighted_sum.item() == pytest.approx(by_hand, rel=1e-5)
+
+
+# -- distillation ----------------------------------------------------------------------------------------------------
+
+
+def test_distillation_is_the_kl_to_the_target_distribution_by_hand():
+    draft_probs = [[0.5, 0.5], [0.8, 0.2]]
+    target_probs = [[0.9, 0.1], [0.3, 0.7]]
+    hidden = torch.tensor([[[0.0, 0.0], *[[math.log(a), math.log(b)] for a, b in draft_probs]]])  # anchor + 2 slots
+    teacher = torch.tensor([[[0.0, 0.0], *[[math.log(a), math.log(b)] for a, b in target_probs]]])
+    labels = torch.tensor([[0, 0, 1]])
+    weights = torch.tensor([[0.0, 1.0, 0.5]])
+    kl = [sum(p * math.log(p / q) for p, q in zip(ps, qs)) for ps, qs in zip(target_probs, draft_probs)]
+    ce = [-math.log(0.5), -math.log(0.2)]
+    for d in (1.0, 0.25):
+        result = block_loss(hidden, _identity_head, labels, weights, 3, teacher_logits=teacher, distill_weight=d)
+        by_hand = sum(w * ((1 - d) * c + d * k) for w, c, k in zip([1.0, 0.5], ce, kl))
+        assert result.weighted_sum.item() == pytest.approx(by_hand, rel=1e-5)
+
+
+# -- initialising the drafter from its target ------------------------------------------------------------------------
+
+
+def _randomise_norms(target) -> None:
+    """Random norm scales, so a copy that skipped them (or read Gemma's `1 + w` as `w`) would show."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+
+
+def test_a_drafter_from_a_llama_target_takes_its_deepest_layers():
+    target = make_target("llama")
+    _randomise_norms(target)
+    draft = make_draft(target, num_hidden_layers=2, target_layer_ids=[0, 1])
+    copied = initialize_draft_from_target(draft, target)
+    layers = decoder_layers(target)
+    for index, source in zip(range(2), layers[1:]):  # 3 target layers: draft layers 0, 1 <- target layers 1, 2
+        ours = draft.layers[index]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert torch.equal(getattr(ours.self_attn, name).weight, getattr(source.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(getattr(ours.mlp, name).weight, getattr(source.mlp, name).weight)
+        torch.testing.assert_close(ours.input_layernorm.weight, source.input_layernorm.weight)
+        torch.testing.assert_close(ours.post_attention_layernorm.weight, source.post_attention_layernorm.weight)
+        assert torch.equal(ours.self_attn.q_norm.weight, torch.ones(16))  # Llama has no q/k norm: left as is
+    torch.testing.assert_close(draft.hidden_norm.weight, layers[1].input_layernorm.weight)
+    torch.testing.assert_close(draft.norm.weight, target.model.norm.weight)
+    # fc selects the deepest tapped layer (id 1, the second of the two features): fc([h0 ; h1]) = h1
+    features = torch.randn(1, 5, 2 * 64)
+    torch.testing.assert_close(draft.fc(features), features[..., 64:])
+    assert "fc.weight" in copied and "layers.1.self_attn.q_norm.weight" not in copied
+
+
+def test_gemma_norms_land_as_their_effective_scale_and_the_pre_mlp_norm_by_role():
+    target = make_target("gemma3")
+    _randomise_norms(target)
+    draft = make_draft(target, num_hidden_layers=1, target_layer_ids=[0, 1])
+    initialize_draft_from_target(draft, target)
+    source = decoder_layers(target)[2]
+    # Gemma's RMSNorm scales by (1 + w); its pre-MLP norm is pre_feedforward_layernorm
+    torch.testing.assert_close(
+        draft.layers[0].input_layernorm.weight, 1 + source.input_layernorm.weight, rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(
+        draft.layers[0].post_attention_layernorm.weight, 1 + source.pre_feedforward_layernorm.weight, rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(
+        draft.layers[0].self_attn.q_norm.weight, 1 + source.self_attn.q_norm.weight, rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(draft.norm.weight, 1 + target.model.norm.weight, rtol=0, atol=1e-5)
+
+
+def test_a_target_whose_layers_fit_nothing_is_named():
+    target = make_target("gpt_neox")  # fused query_key_value, LayerNorms with a bias
+    draft = make_draft(target, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="draft_init='random'"):
+        initialize_draft_from_target(draft, target)
+    with pytest.raises(ValueError, match="one target layer per draft layer"):
+        initialize_draft_from_target(make_draft(make_target("llama"), num_hidden_layers=4), make_target("llama"))
+
+
+def test_the_trainer_initialises_from_the_target_when_asked(tmp_path):
+    target = make_target("qwen3")
+    draft = make_draft(target, num_hidden_layers=1)
+    args = DFlashTrainingArguments(
+        output_dir=str(tmp_path), block_size=8, report_to="none", use_cpu=True, draft_init="target"
+    )
+    DFlashTrainer(model=draft, target=target, args=args)
+    source = decoder_layers(target)[-1]
+    assert torch.equal(draft.layers[0].self_attn.k_proj.weight, source.self_attn.k_proj.weight)
+    torch.testing.assert_close(draft.layers[0].self_attn.k_norm.weight, source.self_attn.k_norm.weight)
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="drop one"):
+        DFlashTrainer(
+            model=make_draft(target, num_hidden_layers=1), target=target, args=args, peft_config=LoraConfig()
+        )
