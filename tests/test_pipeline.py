@@ -7,6 +7,7 @@ meets what a user's folder holds. Marked slow: four fresh processes (about a min
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from hf_dflash.data import encode_prompt, prompts_from_jsonl
 from hf_dflash.targets import converted_target_folder
 
 pytestmark = pytest.mark.slow
+ABLATE = Path(__file__).parents[1] / "benchmarks" / "ablate.py"
 
 
 def hf_dflash(*argv: str, cwd) -> subprocess.CompletedProcess:
@@ -86,3 +88,41 @@ def test_data_train_bench_and_card_run_on_a_model_folder(workspace):
     result = hf_dflash("card", "drafter", "--base_model", "me/my-model", cwd=workspace)
     card = (workspace / "drafter" / "README.md").read_text()
     assert "base_model: me/my-model" in card and "held-out tau" in result.stdout
+
+
+def test_the_ablation_harness_trains_each_variant_once_and_measures_it(workspace):
+    hf_dflash("data", "--target", "./model", "--device", "cpu", "--source", "prompts.jsonl", "--num_prompts", "12",
+              "--max_new_tokens", "24", "--output", "ablation-data.jsonl", cwd=workspace)  # fmt: skip
+    command = [
+        sys.executable, str(ABLATE), "--target", "./model", "--data", "ablation-data.jsonl", "--runs", "runs",
+        "--output", "report/ablation.json", "--holdout", "2", "--curve_steps", "2", "--limit", "1",
+        "--max_new_tokens", "8", "--hf_dflash", f"{sys.executable} -m hf_dflash.cli",
+        "--common", "--max_steps 4 --block_size 4 --per_device_train_batch_size 2 --disable_tqdm true",
+        "--variant", "baseline=", "--variant", "init-target=--draft_init target",
+    ]  # fmt: skip
+    subprocess.run(command, cwd=workspace, check=True, capture_output=True, timeout=600)
+    report = json.loads((workspace / "report" / "ablation.json").read_text())
+    assert list(report["variants"]) == ["baseline", "init-target"]
+    for name, init in (("baseline", "random"), ("init-target", "target")):
+        row = report["variants"][name]
+        info = json.loads((workspace / "runs" / name / "training_info.json").read_text())
+        assert info["training"]["draft_init"] == init and info["training"]["steps"] == 4
+        assert row["cpu_min"] > 0 and row["draft_step_ms"] > 0
+        minutes = [step_minutes for step_minutes, _ in row["held_out_curve"]]
+        assert minutes == pytest.approx([row["cpu_min"] / 2, row["cpu_min"]], abs=0.01)
+        assert sorted(row["acceptance"]) == ["gsm8k", "held-out", "humaneval", "mt-bench"]
+        assert all(
+            r["tau_whole_block"] >= 1 and r["planner_tokens_per_forward"] >= 1 for r in row["acceptance"].values()
+        )
+    table = (workspace / "report" / "ablation.md").read_text()
+    assert table.count("\n| baseline |") + table.count("\n| init-target |") == 2
+    assert (workspace / "report" / "ablation.png").stat().st_size > 0
+
+    # A rerun with one more variant trains and measures only that one.
+    trained = (workspace / "runs" / "baseline.log").stat().st_mtime_ns
+    subprocess.run([*command, "--variant", "accept=--acceptance_loss_weight 1"], cwd=workspace, check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    rerun = json.loads((workspace / "report" / "ablation.json").read_text())
+    assert list(rerun["variants"]) == ["baseline", "init-target", "accept"]
+    assert rerun["variants"]["baseline"] == report["variants"]["baseline"]
+    assert (workspace / "runs" / "baseline.log").stat().st_mtime_ns == trained
