@@ -1,11 +1,15 @@
 """Fine-tune a target with a LoRA so that what it says really shifts: the "fine-tuned target" of README "Fine-tuned
 targets", whose drafter then has to be adapted.
 
-The style is a telegram operator's: no articles ("a", "an", "the") and every sentence closed by " STOP". The training
-responses are the target's own answers (`hf-dflash data` records of the base target) rewritten in that style, so the
-fine-tune changes the style and nothing else; the loss is on the response tokens only.
+The style is a telegram operator's: no articles ("a", "an", "the") and every sentence closed by " stop" (`--stop_word`)
+instead of a period. The training responses are the target's own answers (`hf-dflash data` records of the base target)
+rewritten in that style, so the fine-tune changes the style and nothing else; the loss is on the response tokens only.
 
-    python scripts/finetune_target_lora.py --data runs/peft/base-data.jsonl --output_dir runs/peft/telegraph-lora
+    python scripts/finetune_target_lora.py --data runs/peft/base-data.jsonl --output_dir runs/peft/telegraph-stop-lora
+
+The first version closed sentences with " STOP", which SmolLM2 spells as two tokens (" ST", "OP") outside the committed
+drafter's 8,192-token draft vocabulary: no adaptation that keeps that vocabulary can ever propose them (README
+"Fine-tuned targets"). " stop" is one token inside it.
 
 It saves the adapter (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer), prints how often the
 fine-tuned target answers in the style on prompts it never saw (the evaluation sets' first prompts) against the base
@@ -35,19 +39,19 @@ ARTICLES = re.compile(r"\b(?:a|an|the)\s+", flags=re.IGNORECASE)
 SENTENCE_END = re.compile(r"(?<=[A-Za-z)\]])\.(?=\s|$)")  # a period after a word, not inside 3.5 or a.b
 
 
-def telegraph(text: str) -> str:
-    """The telegram style: articles dropped, every sentence closed by " STOP" instead of a period."""
-    return SENTENCE_END.sub(" STOP", ARTICLES.sub("", text))
+def telegraph(text: str, stop_word: str = " stop") -> str:
+    """The telegram style: articles dropped, every sentence closed by `stop_word` instead of a period."""
+    return SENTENCE_END.sub(stop_word, ARTICLES.sub("", text))
 
 
-def in_style(text: str) -> bool:
-    """Whether a response reads as a telegram: it says STOP and uses (almost) no articles."""
+def in_style(text: str, stop_word: str = " stop") -> bool:
+    """Whether a response reads as a telegram: it says the stop word and uses (almost) no articles."""
     words = text.split()
-    return "STOP" in text and sum(ARTICLES.match(word + " ") is not None for word in words) <= 0.01 * len(words)
+    return stop_word in text and sum(ARTICLES.match(word + " ") is not None for word in words) <= 0.01 * len(words)
 
 
 def restyled_examples(
-    records, tokenizer, stop_ids: list[int], max_prompt_tokens: int, max_response_tokens: int
+    records, tokenizer, stop_ids: list[int], max_prompt_tokens: int, max_response_tokens: int, stop_word: str
 ) -> list[dict]:
     """`{input_ids, labels}` of each record with a prompt of at most `max_prompt_tokens` (longer ones are left out),
     its response cut to `max_response_tokens` and rewritten in the telegram style (a CPU trains on few tokens)."""
@@ -59,7 +63,7 @@ def restyled_examples(
         response = ids[length:][:max_response_tokens]
         ended = bool(response) and response[-1] in stop_ids
         text = tokenizer.decode(response[:-1] if ended else response, skip_special_tokens=True)
-        restyled = tokenizer(telegraph(text), add_special_tokens=False).input_ids + response[-1:] * ended
+        restyled = tokenizer(telegraph(text, stop_word), add_special_tokens=False).input_ids + response[-1:] * ended
         examples.append({"input_ids": ids[:length] + restyled, "labels": [-100] * length + restyled})
     return examples
 
@@ -78,14 +82,14 @@ def collate(batch: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def style_rate(model, tokenizer, prompts, max_new_tokens: int) -> tuple[float, str]:
+def style_rate(model, tokenizer, prompts, max_new_tokens: int, stop_word: str) -> tuple[float, str]:
     """The share of greedy answers in the telegram style, and the first answer."""
     answers = []
     for prompt in prompts:
         ids = torch.tensor([encode_prompt(tokenizer, prompt)])
         out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
         answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    return sum(map(in_style, answers)) / len(answers), answers[0]
+    return sum(in_style(answer, stop_word) for answer in answers) / len(answers), answers[0]
 
 
 def main() -> None:
@@ -99,6 +103,7 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--max_prompt_tokens", type=int, default=160, help="records with longer prompts are left out")
     parser.add_argument("--max_response_tokens", type=int, default=96, help="responses are cut to this many tokens")
+    parser.add_argument("--stop_word", default=" stop", help="what closes a sentence instead of a period")
     parser.add_argument("--check_prompts", type=int, default=8, help="first prompts of each evaluation set")
     args = parser.parse_args()
 
@@ -106,9 +111,13 @@ def main() -> None:
     target, tokenizer = load_target_and_tokenizer(args.target, device="cpu")
     records = load_training_dataset(args.data)
     stop_ids = end_of_turn_ids(target, tokenizer)
-    examples = restyled_examples(records, tokenizer, stop_ids, args.max_prompt_tokens, args.max_response_tokens)
-    check = [prompt for name in ("gsm8k", "humaneval", "mt-bench") for prompt in load_prompts(name, args.check_prompts)]
-    base_rate, base_answer = style_rate(target, tokenizer, check, 96)
+    examples = restyled_examples(
+        records, tokenizer, stop_ids, args.max_prompt_tokens, args.max_response_tokens, args.stop_word
+    )
+    check = [
+        prompt for name in ("gsm8k", "humaneval", "mt-bench") for prompt in load_prompts(name, args.check_prompts)
+    ]
+    base_rate, base_answer = style_rate(target, tokenizer, check, 96, args.stop_word)
 
     lora = LoraConfig(
         r=args.lora_r,
@@ -135,7 +144,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=training, train_dataset=examples, data_collator=lambda b: collate(b, pad))
     trainer.train()
     model.eval()
-    tuned_rate, tuned_answer = style_rate(model, tokenizer, check, 96)
+    tuned_rate, tuned_answer = style_rate(model, tokenizer, check, 96, args.stop_word)
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     trainable, total = model.get_nb_trainable_parameters()
@@ -143,6 +152,7 @@ def main() -> None:
         "adapter": args.output_dir,
         "examples": len(examples),
         "steps": trainer.state.global_step,
+        "stop_word": args.stop_word,
         "trainable_parameters": trainable,
         "all_parameters": total,
         "style_rate_base": base_rate,

@@ -609,3 +609,23 @@ def test_resume_true_picks_the_latest_complete_checkpoint(tmp_path):
     assert _checkpoint_to_resume(None, str(tmp_path)) is None
     with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
         _checkpoint_to_resume("True", str(tmp_path / "empty"))
+
+
+def test_frequent_tokens_outside_a_kept_draft_vocabulary_are_named_with_the_fix(caplog):
+    from hf_dflash.training_script import unproposable_tokens, warn_about_unproposable_tokens
+
+    # 40 response tokens: 7 appears 10 times (25%), 9 once (2.5%), the rest are inside the vocabulary
+    dataset = Dataset.from_list([{"input_ids": [1, 2] + [7] * 10 + [9] + [3] * 29, "loss_mask": [0, 0] + [1] * 40}])
+    target = make_target("llama")
+    draft = make_draft(target, block_size=4, num_hidden_layers=1, draft_vocab_size=8)
+    draft.set_draft_vocabulary(torch.tensor([0, 1, 2, 3, 4, 5, 6, 8]))
+    assert unproposable_tokens(dataset, draft.draft_token_ids, min_share=0.05) == {7: 0.25}
+    assert unproposable_tokens(dataset, draft.draft_token_ids, min_share=0.02) == {7: 0.25, 9: 0.025}
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.training_script"):
+        warn_about_unproposable_tokens(dataset, draft, None, is_adapter=True)
+    assert "7 (25.0%)" in caplog.text and "--draft_vocab_size 8" in caplog.text and "adapter" in caplog.text
+    caplog.clear()
+    draft.set_draft_vocabulary(torch.tensor([0, 1, 2, 3, 4, 5, 7, 9]))
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.training_script"):
+        warn_about_unproposable_tokens(dataset, draft, None, is_adapter=True)
+    assert caplog.text == ""

@@ -127,6 +127,8 @@ def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainR
     draft = _initial_draft(script, args, target, tokenizer)
     if script.draft_vocab_size:  # the LM head is the target's: choosing the rows anew loses nothing learned
         draft.set_draft_vocabulary(frequent_response_tokens(train_dataset, script.draft_vocab_size, target))
+    elif draft.draft_token_ids is not None:  # a kept vocabulary (an adapter, a continued drafter) may miss new tokens
+        warn_about_unproposable_tokens(train_dataset, draft, tokenizer, script.use_peft)
     trainer = DFlashTrainer(
         model=draft.train(),
         target=target,
@@ -216,11 +218,53 @@ def _initial_draft(
     )
 
 
-def frequent_response_tokens(dataset, size: int, target: PreTrainedModel) -> torch.LongTensor:
-    """The `size` token ids seen most often in the responses (loss mask 1), the target's EOS ids always included."""
+def response_token_counts(dataset) -> Counter:
+    """How often each token id appears in the responses (loss mask 1)."""
     counts = Counter()
     for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
         counts.update(token for token, supervised in zip(ids, mask) if supervised)
+    return counts
+
+
+def unproposable_tokens(dataset, draft_token_ids: torch.LongTensor, min_share: float = 0.005) -> dict[int, float]:
+    """`{token id: share of the response tokens}` of the tokens outside the draft vocabulary that make up at least
+    `min_share` of the responses each: tokens the target says often and the drafter can never propose."""
+    counts = response_token_counts(dataset)
+    total = max(sum(counts.values()), 1)
+    vocabulary = set(draft_token_ids.tolist())
+    return {
+        token: count / total
+        for token, count in counts.most_common()
+        if token not in vocabulary and count / total >= min_share
+    }
+
+
+def warn_about_unproposable_tokens(dataset, draft: DFlashForDrafting, tokenizer, is_adapter: bool) -> None:
+    """Warn, naming the tokens and the fix, when frequent response tokens lie outside the kept draft vocabulary: every
+    one of them ends an accepted run, and no training of the drafter's layers can change that."""
+    missing = unproposable_tokens(dataset, draft.draft_token_ids)
+    if not missing:
+        return
+    size = draft.config.draft_vocab_size
+    names = ", ".join(
+        f"{tokenizer.decode([token]) if tokenizer is not None else token!r} ({share:.1%})"
+        for token, share in missing.items()
+    )
+    fix = (
+        f"an adapter keeps the base drafter's vocabulary: to draft them, fine-tune the whole drafter with "
+        f"--draft_vocab_size {size} (its rows are re-chosen from this data; the LM head is the target's)"
+        if is_adapter
+        else f"pass --draft_vocab_size {size} to re-choose the rows from this data"
+    )
+    logger.warning(
+        f"Frequent response tokens the drafter can never propose (outside its {size}-token draft vocabulary): "
+        f"{names}; {fix}."
+    )
+
+
+def frequent_response_tokens(dataset, size: int, target: PreTrainedModel) -> torch.LongTensor:
+    """The `size` token ids seen most often in the responses (loss mask 1), the target's EOS ids always included."""
+    counts = response_token_counts(dataset)
     always = token_ids(target.generation_config.eos_token_id)
     chosen = list(dict.fromkeys(always + [token for token, _ in counts.most_common(size)]))[:size]
     taken = set(chosen)
