@@ -15,7 +15,9 @@ and each drafter's own measured draft step (the planner's choice, free of timing
         --variant acceptance-0.5="--acceptance_loss_weight 0.5"
 
 A variant whose folder already holds a trained drafter is not trained again, and one already in `--output` is not
-measured again: a stopped run continues where it stopped. The report is written after every variant, with a
+measured again: a stopped run continues where it stopped. `--train_only` trains without measuring (CPU time is the
+child's own, so trainings may share the machine; the measurements time the draft step and the verify costs, so run
+them alone). The report is written after every variant, with a
 Markdown table (`ablation.md`) and a plot of held-out tau against CPU-minutes (`ablation.png`) beside it.
 """
 
@@ -172,6 +174,11 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf_dflash", default=None, help="how to run the CLI (default: hf-dflash)")
+    parser.add_argument(
+        "--train_only",
+        action="store_true",
+        help="train the variants, measure none (measure later, on a quiet machine)",
+    )
     args = parser.parse_args()
 
     output = Path(args.output)
@@ -195,7 +202,7 @@ def main() -> None:
         folder = Path(args.runs) / name
         command = train_command(args.target, args.data, folder, shlex.split(args.common), flags, args)
         cost = train_variant(command, folder)
-        if name in report["variants"]:
+        if args.train_only or name in report["variants"]:
             continue
         draft = load_draft(str(folder), target)
         if verify_seconds is None:  # measured once for every variant: the planner's choices differ by the drafter
