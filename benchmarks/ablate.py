@@ -192,6 +192,7 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "greedy": True,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+        "training_threads": os.environ.get("OMP_NUM_THREADS", "torch default"),
         "command": shlex.join([sys.executable, *sys.argv]),
     }
     target, tokenizer = load_target_and_tokenizer(args.target, device="cpu")
