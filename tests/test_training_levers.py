@@ -172,3 +172,90 @@ def test_the_trainer_initialises_from_the_target_when_asked(tmp_path):
         DFlashTrainer(
             model=make_draft(target, num_hidden_layers=1), target=target, args=args, peft_config=LoraConfig()
         )
+
+
+def test_top_k_distillation_is_the_kl_to_the_renormalised_top_k_by_hand():
+    draft_probs = [0.5, 0.3, 0.2]
+    hidden = torch.tensor([[[0.0, 0.0, 0.0], [math.log(p) for p in draft_probs]]])  # anchor + one slot
+    teacher = torch.tensor([[[0.0, 0.0], [math.log(0.6), math.log(0.2)]]])  # target's top-2: tokens 2 and 0
+    ids = torch.tensor([[[0, 0], [2, 0]]])
+    result = block_loss(
+        hidden, _identity_head, torch.tensor([[0, 2]]), torch.tensor([[0.0, 1.0]]), 2, teacher_logits=teacher,
+        distill_weight=1.0, teacher_ids=ids,
+    )  # fmt: skip
+    p = {2: 0.75, 0: 0.25}  # 0.6 and 0.2 renormalised
+    by_hand = sum(share * math.log(share / draft_probs[token]) for token, share in p.items())
+    assert result.weighted_sum.item() == pytest.approx(by_hand, rel=1e-5)
+
+
+def _distill_args(tmp_path, **kwargs) -> DFlashTrainingArguments:
+    defaults = {"output_dir": str(tmp_path / "out"), "block_size": 8, "num_anchors": 40, "report_to": "none"}
+    defaults |= {"use_cpu": True, "distill_weight": 0.5, "distill_top_k": 5}
+    return DFlashTrainingArguments(**(defaults | kwargs))
+
+
+def _records(target, count: int = 3):
+    torch.manual_seed(0)
+    prompts = torch.randint(0, 90, (count, 6))
+    out = target.generate(prompts, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    return [{"input_ids": row.tolist(), "loss_mask": [0] * 6 + [1] * 20} for row in out]
+
+
+def test_cached_top_k_distillation_gives_the_online_top_k_loss(tmp_path):
+    from datasets import Dataset
+
+    target = make_target("llama")
+    dataset = Dataset.from_list(_records(target))
+    draft = make_draft(target, block_size=8, num_hidden_layers=1, draft_vocab_size=64)
+    draft.set_draft_vocabulary(torch.arange(10, 74))
+    draft.train()
+    cached = DFlashTrainer(
+        model=draft, target=target, args=_distill_args(tmp_path, cache_target_features=True), train_dataset=dataset
+    )
+    online = DFlashTrainer(model=draft, target=target, args=_distill_args(tmp_path), train_dataset=dataset)
+    full = DFlashTrainer(model=draft, target=target, args=_distill_args(tmp_path, distill_top_k=0))
+    batch = cached.data_collator([dict(cached.train_dataset[i]) for i in range(3)])
+    loss = cached.compute_loss(draft, batch)
+    torch.testing.assert_close(loss, online.compute_loss(draft, batch), atol=1e-5, rtol=0)
+    assert loss.item() != pytest.approx(full.compute_loss(draft, batch).item(), rel=1e-4)  # top-5 is not all 64
+    assert cached.target_cache.top_ids[0].shape == (26, 5) and int(cached.target_cache.top_ids[0].max()) < 64
+
+
+def test_the_target_cache_on_disk_is_reused_only_for_the_same_target_and_data(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from hf_dflash import target_cache, trainer
+
+    target = make_target("qwen3")
+    dataset = Dataset.from_list(_records(target))
+    draft = make_draft(target, block_size=8, num_hidden_layers=1)
+    args = _distill_args(tmp_path, cache_target_features=True, target_features_dir=str(tmp_path / "features"))
+    first = target_cache.build_target_cache(target, dataset, draft, 2048, 5, args.target_features_dir)
+    files = sorted((tmp_path / "features").iterdir())
+    assert len(files) == 1 and files[0].suffix == ".safetensors"
+
+    def no_target_forward(*args, **kwargs):
+        raise AssertionError("the cache on disk should have been read")
+
+    monkeypatch.setattr(trainer, "target_forward", no_target_forward)
+    again = DFlashTrainer(model=draft, target=target, args=args, train_dataset=dataset).target_cache
+    for name in ("features", "top_logits", "top_ids"):
+        for ours, theirs in zip(getattr(again, name), getattr(first, name)):
+            assert torch.equal(ours, theirs)
+    monkeypatch.undo()
+    other_target = make_target("qwen3", seed=1)
+    target_cache.build_target_cache(other_target, dataset, draft, 2048, 5, args.target_features_dir)
+    target_cache.build_target_cache(target, dataset.select([0, 1]), draft, 2048, 5, args.target_features_dir)
+    assert len(list((tmp_path / "features").iterdir())) == 3  # another target, other data: new files
+
+
+def test_bad_lever_arguments_are_named(tmp_path):
+    for bad, message in (
+        ({"distill_top_k": -1}, "distill_top_k"),
+        ({"cache_target_features": True, "distill_top_k": 0}, "pass distill_top_k"),
+        ({"distill_weight": 0.0, "target_features_dir": "x"}, "pass both"),
+        ({"acceptance_loss_weight": 2.0}, "acceptance_loss_weight"),
+        ({"draft_init": "copy"}, "draft_init"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _distill_args(tmp_path, **bad)

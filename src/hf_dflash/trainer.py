@@ -51,6 +51,7 @@ from .draft_init import initialize_draft_from_target
 from .generation_dflash import check_draft_fits_target, context_features, pad_token_id_of
 from .modeling_dflash import DFlashForDrafting, DFlashLayouts
 from .speculative import speculative_generate
+from .target_cache import TargetCache, build_target_cache, top_k_over_draft_vocabulary
 
 logger = logging.get_logger(__name__)
 
@@ -111,11 +112,26 @@ class DFlashTrainingArguments(TrainingArguments):
             "overwrites the weights of the drafter given to the trainer."
         },
     )
+    distill_top_k: int = field(
+        default=0,
+        metadata={
+            "help": "With distill_weight: the target's k most likely tokens over the draft vocabulary stand for its "
+            "distribution (renormalised), which cache_target_features can keep; 0: all its logits, online."
+        },
+    )
     cache_target_features: bool = field(
         default=False,
         metadata={
-            "help": "Run the target once over the training set and keep its features in memory (fp32, "
-            "4 * n * H bytes per token) instead of one target forward per step; for small targets and data."
+            "help": "Run the target once over the training set and keep its features (and top-k logits with "
+            "distill_top_k) in memory (fp32, 4 * n * H bytes per token) instead of one target forward per step; "
+            "for small targets and data."
+        },
+    )
+    target_features_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "With cache_target_features: also keep that cache in this folder, named by a digest of the "
+            "target's weights, tapped layers and data, so a later run on the same target and data reads it."
         },
     )
     lm_head_chunk_size: int = field(default=1024, metadata={"help": "Supervised slots per LM-head + loss chunk."})
@@ -154,8 +170,15 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"draft_init must be one of {DRAFT_INITS}, got {self.draft_init!r}.")
         if self.lm_head_chunk_size < 1 or self.max_length < 2:
             raise ValueError("lm_head_chunk_size must be >= 1 and max_length >= 2.")
-        if self.cache_target_features and self.distill_weight > 0:
-            raise ValueError("cache_target_features keeps features, not logits: use distill_weight=0 with it.")
+        if self.distill_top_k < 0:
+            raise ValueError(f"distill_top_k must be >= 0, got {self.distill_top_k}.")
+        if self.cache_target_features and self.distill_weight > 0 and not self.distill_top_k:
+            raise ValueError(
+                "cache_target_features cannot keep all the target's logits for distillation: pass distill_top_k "
+                "(e.g. 32) to keep its top-k with the features, or drop cache_target_features."
+            )
+        if self.target_features_dir and not self.cache_target_features:
+            raise ValueError("target_features_dir keeps the cache of cache_target_features: pass both.")
         if self.remove_unused_columns:
             raise ValueError(
                 "DFlashTrainer needs remove_unused_columns=False (the draft's forward takes no input_ids)."
@@ -217,13 +240,15 @@ def block_loss(
     teacher_logits: torch.Tensor | None = None,
     distill_weight: float = 0.0,
     acceptance_weight: float = 0.0,
+    teacher_ids: torch.Tensor | None = None,
 ) -> BlockLoss:
     """`sum_k w_k * m_k * loss_k` over supervised slots, computed in checkpointed chunks of `chunk_size` slots.
 
     `head` maps hidden states to logits over the draft vocabulary (`DFlashForDrafting.draft_logits` with the target's
     LM head), whose indices `labels` use. `loss_k` is cross-entropy against `labels` (the target's tokens), or
     `(1 - d) * CE + d * KL(p_target || q)` with `teacher_logits` (`[b, N*B, V]`, the target's logits for the same
-    token) and `d = distill_weight`. With `a = acceptance_weight`, the weights become `(1 - a) * w_k + a * C_k`, where
+    token) and `d = distill_weight`; with `teacher_ids` (`[b, N*B, k]` draft-vocabulary indices) `teacher_logits` are
+    `[b, N*B, k]` logits of those tokens only, and `p_target` is their softmax (the top-k renormalised). With `a = acceptance_weight`, the weights become `(1 - a) * w_k + a * C_k`, where
     `C_k` is slot k's share of the block's expected accepted length (`expected_length_shares`).
     """
     weights = loss_weights.flatten()
@@ -236,11 +261,13 @@ def block_loss(
         shares = expected_length_shares(flat_hidden, head, flat_labels, rows, weights.shape[0], block_size, chunk_size)
         row_weights = (1 - acceptance_weight) * row_weights + acceptance_weight * shares
     flat_teacher = teacher_logits.flatten(0, 1)[rows] if teacher_logits is not None else None
+    flat_teacher_ids = teacher_ids.flatten(0, 1)[rows] if teacher_ids is not None else None
     weighted_sum = hidden.sum() * 0.0  # touches every trainable parameter even when nothing is supervised
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
     for start in range(0, rows.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         teacher = flat_teacher[part] if flat_teacher is not None else None
+        ids = flat_teacher_ids[part] if flat_teacher_ids is not None else None
         chunk_sum, hits = checkpoint(
             _chunk_loss,
             flat_hidden[part],
@@ -249,6 +276,7 @@ def block_loss(
             row_weights[part],
             teacher,
             distill_weight,
+            ids,
             use_reentrant=False,
         )
         weighted_sum = weighted_sum + chunk_sum
@@ -288,15 +316,25 @@ def expected_length_shares(
     return shares.flatten()[rows].to(hidden.dtype)
 
 
-def _chunk_loss(hidden, head, labels, weights, teacher_logits, distill_weight):
+def _chunk_loss(hidden, head, labels, weights, teacher_logits, distill_weight, teacher_ids):
     logits = head(hidden).float()  # [rows, V_d]
     loss = F.cross_entropy(logits, labels, reduction="none")
     if teacher_logits is not None and distill_weight > 0:
-        teacher = teacher_logits.float().log_softmax(-1)
-        kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+        log_p = teacher_logits.float().log_softmax(-1)  # [rows, V_d], or [rows, k] over `teacher_ids`
+        log_q = logits.log_softmax(-1)
+        log_q = log_q if teacher_ids is None else log_q.gather(-1, teacher_ids)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
         loss = (1 - distill_weight) * loss + distill_weight * kl
     hits = logits.argmax(-1) == labels
     return (loss * weights).sum(), hits
+
+
+def gather_at_slots(per_position: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[b, T, X]` values of every position -> `[b, N*B, X]`: the values at the position that predicts each slot's
+    token (`a + k - 1`), e.g. the target's logits there."""
+    block_positions = batch["position_ids"][:, batch["input_ids"].shape[1] :]
+    source = (block_positions - 1).clamp(min=0, max=per_position.shape[1] - 1)
+    return per_position.gather(1, source[..., None].expand(-1, -1, per_position.shape[-1]))
 
 
 def gather_teacher_logits(
@@ -304,11 +342,9 @@ def gather_teacher_logits(
 ) -> torch.Tensor:
     """`[b, N*B, V_d]`: the target's logits that predict each slot's token (position `a + k - 1`), restricted to the
     draft vocabulary when there is one."""
-    block_positions = batch["position_ids"][:, batch["input_ids"].shape[1] :]
-    source = (block_positions - 1).clamp(min=0, max=target_logits.shape[1] - 1)
     if draft_token_ids is not None:
         target_logits = target_logits[..., draft_token_ids]
-    return target_logits.gather(1, source[..., None].expand(-1, -1, target_logits.shape[-1]))
+    return gather_at_slots(target_logits, batch)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -386,9 +422,12 @@ class DFlashTrainer(Trainer):
                 else None,
                 draft_vocabulary=model.draft_token_ids,
             )
-        self.feature_cache: list[torch.Tensor] | None = None
+        self.target_cache: TargetCache | None = None
         if args.cache_target_features and kwargs.get("train_dataset") is not None:
-            self.feature_cache = cache_target_features(target, kwargs["train_dataset"], model, args.max_length)
+            top_k = args.distill_top_k if args.distill_weight > 0 else 0
+            self.target_cache = build_target_cache(
+                target, kwargs["train_dataset"], model, args.max_length, top_k, args.target_features_dir
+            )
             kwargs["train_dataset"] = kwargs["train_dataset"].add_column(
                 "row", list(range(len(kwargs["train_dataset"])))
             )
@@ -416,12 +455,12 @@ class DFlashTrainer(Trainer):
         """Weighted block loss divided by the optimizer step's total loss weight (`num_items_in_batch`)."""
         draft = self.accelerator.unwrap_model(model)
         distill = self.args.distill_weight > 0
-        if self.feature_cache is not None and "rows" in inputs:
-            features, target_logits = self._cached_features(inputs), None
+        if self.target_cache is not None and "rows" in inputs:
+            features, teacher = self._cached_target(inputs, distill)
         else:
             features, target_logits = target_forward(self.target, inputs, self._layer_ids(model), distill)
+            teacher = self._teacher(target_logits, inputs, draft) if distill else (None, None)
         hidden = draft_training_forward(model, self.embed_tokens, features, inputs, self._draft_mask(inputs))
-        teacher = gather_teacher_logits(target_logits, inputs, draft.draft_token_ids) if distill else None
         result = block_loss(
             hidden,
             lambda states: draft.draft_logits(states, self.lm_head),
@@ -429,9 +468,10 @@ class DFlashTrainer(Trainer):
             inputs["loss_weights"],
             draft.config.block_size,
             self.args.lm_head_chunk_size,
-            teacher,
+            teacher[0],
             self.args.distill_weight,
             self.args.acceptance_loss_weight,
+            teacher_ids=teacher[1],
         )
         denominator = num_items_in_batch if num_items_in_batch is not None else inputs["loss_weights"].sum()
         loss = result.weighted_sum / torch.as_tensor(denominator, device=hidden.device).clamp(min=1e-6)
@@ -440,12 +480,23 @@ class DFlashTrainer(Trainer):
         self._record(result, "train" if model.training else "eval")
         return (loss, {"hidden": hidden}) if return_outputs else loss
 
-    def _cached_features(self, inputs: dict[str, Any]) -> torch.Tensor:
-        """`[b, T, n*H]` cached features of the batch's rows, zero-padded on the right like the tokens."""
-        seq_len = inputs["input_ids"].shape[1]
-        rows = [self.feature_cache[row][:seq_len] for row in inputs["rows"].tolist()]
-        features = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        return features.to(inputs["input_ids"].device)
+    def _cached_target(self, inputs: dict[str, Any], distill: bool) -> tuple[torch.Tensor, tuple]:
+        """`[b, T, n*H]` cached features of the batch's rows, and the cached teacher at each slot (top-k logits and
+        their draft-vocabulary indices, `[b, N*B, k]` each) when distilling."""
+        rows, seq_len, device = inputs["rows"].tolist(), inputs["input_ids"].shape[1], inputs["input_ids"].device
+        features = self.target_cache.batch_features(rows, seq_len, device)
+        if not distill:
+            return features, (None, None)
+        logits, ids = self.target_cache.batch_top_logits(rows, seq_len, device)
+        return features, (gather_at_slots(logits, inputs), gather_at_slots(ids, inputs))
+
+    def _teacher(self, target_logits: torch.Tensor, inputs: dict[str, Any], draft: DFlashForDrafting) -> tuple:
+        """The target's logits at each slot over the draft vocabulary (`[b, N*B, V_d]`, no ids), or with
+        `distill_top_k` its top-k logits and their indices (`[b, N*B, k]` each)."""
+        if not self.args.distill_top_k:
+            return gather_teacher_logits(target_logits, inputs, draft.draft_token_ids), None
+        logits, ids = top_k_over_draft_vocabulary(target_logits, draft.draft_token_ids, self.args.distill_top_k)
+        return gather_at_slots(logits, inputs), gather_at_slots(ids, inputs)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
         """Total loss weight of the optimizer step (all micro-batches, all processes)."""
@@ -614,22 +665,6 @@ class DFlashTrainer(Trainer):
         write_model_card(self.args.output_dir, card_info_from_folder(self.args.output_dir, **overrides))
 
 
-@torch.no_grad()
-def cache_target_features(
-    target: PreTrainedModel, dataset: Any, draft: DFlashForDrafting, max_length: int
-) -> list[torch.Tensor]:
-    """`[T_i, n*H]` draft context features of every training sequence (one target forward each), on the CPU."""
-    from tqdm.auto import tqdm
-
-    layer_ids = list(draft.config.target_layer_ids)
-    features = []
-    for input_ids in tqdm(dataset["input_ids"], desc="caching target features"):
-        ids = torch.tensor(input_ids[:max_length], device=target.device)[None]
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        features.append(target_forward(target, batch, layer_ids, want_logits=False)[0][0].cpu())
-    return features
-
-
 def verify_saved_draft(
     expected: DFlashForDrafting | dict[str, torch.Tensor], folder: str | os.PathLike, dtype: torch.dtype | None = None
 ) -> DFlashForDrafting:
@@ -698,6 +733,7 @@ __all__ = [
     "block_loss",
     "draft_training_forward",
     "expected_length_shares",
+    "gather_at_slots",
     "target_forward",
     "verify_saved_draft",
 ]
