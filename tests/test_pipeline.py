@@ -107,9 +107,10 @@ def test_the_ablation_harness_trains_each_variant_once_and_measures_it(workspace
         row = report["variants"][name]
         info = json.loads((workspace / "runs" / name / "training_info.json").read_text())
         assert info["training"]["draft_init"] == init and info["training"]["steps"] == 4
-        assert row["cpu_min"] > 0 and row["draft_step_ms"] > 0
+        assert row["cpu_min"] > row["train_cpu_min"] > 0 and row["draft_step_ms"] > 0
+        assert info["training"]["train_cpu_s"] == pytest.approx(60 * row["train_cpu_min"], abs=0.6)
         minutes = [step_minutes for step_minutes, _ in row["held_out_curve"]]
-        assert minutes == pytest.approx([row["cpu_min"] / 2, row["cpu_min"]], abs=0.01)
+        assert minutes == pytest.approx([row["train_cpu_min"] / 2, row["train_cpu_min"]], abs=0.01)
         assert sorted(row["acceptance"]) == ["gsm8k", "held-out", "humaneval", "mt-bench"]
         assert all(
             r["tau_whole_block"] >= 1 and r["planner_tokens_per_forward"] >= 1 for r in row["acceptance"].values()

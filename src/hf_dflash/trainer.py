@@ -21,6 +21,7 @@ import copy
 import json
 import math
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -437,6 +438,7 @@ class DFlashTrainer(Trainer):
         self.embed_tokens = self.target.get_input_embeddings()
         self.lm_head = self.target.get_output_embeddings()
         self.acceptance_prompts = acceptance_prompts or []
+        self.measurement_cpu_s = 0.0  # this process's CPU seconds in measure_real_acceptance, to tell from training
         self.training_info = copy.deepcopy(training_info or {})  # the real-tau callback appends to nested lists
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(int), "eval": defaultdict(int)}
         self.add_callback(_EpochAnchorsCallback(data_collator))
@@ -565,6 +567,7 @@ class DFlashTrainer(Trainer):
         draft.eval()
         budget = max_new_tokens or self.args.real_acceptance_max_new_tokens
         lengths: list[int] = []
+        start = time.process_time()
         try:
             for prompt in self.acceptance_prompts:
                 prompt = prompt.to(self.target.device)
@@ -572,6 +575,7 @@ class DFlashTrainer(Trainer):
                 lengths += out.stats.acceptance_lengths
         finally:
             draft.train(was_training)
+            self.measurement_cpu_s += time.process_time() - start
         return {"real_tau": sum(lengths) / max(len(lengths), 1)}
 
     # -- saving --------------------------------------------------------------------------------------------------------
