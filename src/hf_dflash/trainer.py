@@ -9,7 +9,12 @@ One step (arXiv:2602.06036; `N` anchors per sequence, `B` block size, `T` sequen
 3. loss: the target's LM head on the supervised slots only, in chunks (memory does not grow with `N*B*V`), weighted
    cross-entropy `sum w_k m_k CE_k / sum w_k m_k` normalised over the whole optimizer step (gradient accumulation and
    data parallel: `num_items_in_batch` counts loss weights, not tokens); optionally mixed with a KL term against the
-   target's own distribution at the same position (`distill_weight`).
+   target's own distribution at the same position (`distill_weight`, over its top-k with `distill_top_k`), and with
+   slot weights aimed at the expected acceptance length (`acceptance_loss_weight`, `expected_length_shares`).
+
+A new drafter starts at random or from the target's own deepest layers (`draft_init`, `hf_dflash.draft_init`); the
+target's features (and top-k logits) can be computed once per training set (`cache_target_features`,
+`hf_dflash.target_cache`), in memory or on disk.
 
 The target is a teacher: never in the optimizer, never saved, kept in eval mode; the draft shares its frozen
 embedding and LM head. Checkpoints hold the draft only and are reloaded and compared after every save.
