@@ -76,9 +76,15 @@ def train_command(target: str, data: str, folder: Path, common: list[str], flags
 
 def train_variant(command: list[str], folder: Path) -> dict:
     """Run one training (unless its folder already holds a trained drafter); its CPU and wall minutes."""
-    info_path = folder / "training_info.json"
-    if info_path.is_file() and (folder / "ablation_cost.json").is_file():
-        return json.loads((folder / "ablation_cost.json").read_text())
+    info_path, cost_path = folder / "training_info.json", folder / "ablation_cost.json"
+    if info_path.is_file() and cost_path.is_file():
+        cost = json.loads(cost_path.read_text())
+        if cost["command"] != shlex.join(command):
+            raise SystemExit(
+                f"{folder} was trained by another command:\n  {cost['command']}\nnot\n  {shlex.join(command)}\n"
+                "Give the variant a new name, or delete that folder to train it again."
+            )
+        return cost
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     log = folder.with_suffix(".log")
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +96,7 @@ def train_variant(command: list[str], folder: Path) -> dict:
         "wall_min": round((time.perf_counter() - start) / 60, 2),
         "command": shlex.join(command),
     }
-    (folder / "ablation_cost.json").write_text(json.dumps(cost, indent=1) + "\n")
+    cost_path.write_text(json.dumps(cost, indent=1) + "\n")
     return cost
 
 

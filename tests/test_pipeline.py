@@ -127,3 +127,8 @@ def test_the_ablation_harness_trains_each_variant_once_and_measures_it(workspace
     assert list(rerun["variants"]) == ["baseline", "init-target", "accept"]
     assert rerun["variants"]["baseline"] == report["variants"]["baseline"]
     assert (workspace / "runs" / "baseline.log").stat().st_mtime_ns == trained
+
+    # A trained variant is never reused for another command: the harness stops and says so.
+    changed = [arg.replace("--max_steps 4", "--max_steps 5") for arg in command]
+    refused = subprocess.run(changed, cwd=workspace, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "trained by another command" in refused.stderr
