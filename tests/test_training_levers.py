@@ -31,18 +31,16 @@ def _identity_head(states: torch.Tensor) -> torch.Tensor:
 def test_expected_length_shares_by_hand():
     # One block: the anchor, then slots the draft gets right with probability 0.5, 0.4, 0.2.
     # prefixes 0.5, 0.2, 0.04 -> C_1 = 0.74, C_2 = 0.24, C_3 = 0.04
-    hidden = _two_token_logits([0.9, 0.5, 0.4, 0.2])[0]
+    probs = torch.tensor([0.9, 0.5, 0.4, 0.2])
     rows = torch.tensor([1, 2, 3])
-    labels = torch.zeros(3, dtype=torch.long)
-    shares = expected_length_shares(hidden[rows], _identity_head, labels, rows, B, B, chunk_size=2)
+    shares = expected_length_shares(probs[rows], rows, B, B)
     torch.testing.assert_close(shares, torch.tensor([0.74, 0.24, 0.04]))
 
 
 def test_an_unsupervised_slot_ends_what_a_block_can_accept():
-    hidden = _two_token_logits([0.9, 0.5, 0.4, 0.2, 0.9, 0.8, 0.5, 0.5])[0]  # two blocks
+    probs = torch.tensor([0.9, 0.5, 0.4, 0.2, 0.9, 0.8, 0.5, 0.5])  # two blocks
     rows = torch.tensor([1, 3, 5, 6, 7])  # slot 2 of the first block is not supervised
-    labels = torch.zeros(5, dtype=torch.long)
-    shares = expected_length_shares(hidden[rows], _identity_head, labels, rows, 2 * B, B)
+    shares = expected_length_shares(probs[rows], rows, 2 * B, B)
     # block 1: prefixes 0.5, 0, 0 -> C_1 = 0.5, C_3 = 0; block 2: prefixes 0.8, 0.4, 0.2 -> 1.4, 0.6, 0.2
     torch.testing.assert_close(shares, torch.tensor([0.5, 0.0, 1.4, 0.6, 0.2]))
 

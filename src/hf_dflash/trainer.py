@@ -262,77 +262,68 @@ def block_loss(
     slots = rows % block_size
     flat_hidden = hidden.flatten(0, 1)[rows]
     flat_labels = labels.flatten()[rows]
-    row_weights = weights[rows]
-    if acceptance_weight > 0:
-        shares = expected_length_shares(flat_hidden, head, flat_labels, rows, weights.shape[0], block_size, chunk_size)
-        row_weights = (1 - acceptance_weight) * row_weights + acceptance_weight * shares
     flat_teacher = teacher_logits.flatten(0, 1)[rows] if teacher_logits is not None else None
     flat_teacher_ids = teacher_ids.flatten(0, 1)[rows] if teacher_ids is not None else None
-    weighted_sum = hidden.sum() * 0.0  # touches every trainable parameter even when nothing is supervised
+    losses, label_probs = [], []  # per supervised row, in order
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
     for start in range(0, rows.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         teacher = flat_teacher[part] if flat_teacher is not None else None
         ids = flat_teacher_ids[part] if flat_teacher_ids is not None else None
-        chunk_sum, hits = checkpoint(
-            _chunk_loss,
-            flat_hidden[part],
-            head,
-            flat_labels[part],
-            row_weights[part],
-            teacher,
-            distill_weight,
-            ids,
-            use_reentrant=False,
+        loss, prob, hits = checkpoint(
+            _chunk_loss, flat_hidden[part], head, flat_labels[part], teacher, distill_weight, ids, use_reentrant=False
         )
-        weighted_sum = weighted_sum + chunk_sum
+        losses.append(loss)
+        label_probs.append(prob)
         correct += torch.bincount(slots[part][hits], minlength=block_size)
+    row_weights = weights[rows]
+    if acceptance_weight > 0:
+        shares = expected_length_shares(
+            torch.cat(label_probs) if label_probs else weights[:0], rows, weights.shape[0], block_size
+        )
+        row_weights = (1 - acceptance_weight) * row_weights + acceptance_weight * shares
+    weighted_sum = hidden.sum() * 0.0  # touches every trainable parameter even when nothing is supervised
+    if losses:
+        weighted_sum = weighted_sum + (torch.cat(losses) * row_weights).sum()
     supervised = torch.bincount(slots, minlength=block_size)
     return BlockLoss(weighted_sum, correct, supervised)
 
 
 @torch.no_grad()
 def expected_length_shares(
-    hidden: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    labels: torch.Tensor,
-    rows: torch.Tensor,
-    num_slots: int,
-    block_size: int,
-    chunk_size: int = 1024,
+    label_probs: torch.Tensor, rows: torch.Tensor, num_slots: int, block_size: int
 ) -> torch.Tensor:
-    """`[rows]` weights `C_k = sum_{m >= k} prod_{j <= m} q_j` of supervised slots, `q_j` the draft's probability of
-    the target's token at slot j of the same block (0 at an unsupervised slot: nothing after it is accepted).
+    """`[rows]` weights `C_k = sum_{m >= k} prod_{j <= m} q_j` of supervised slots, `q_j` (`label_probs`) the draft's
+    probability of the target's token at slot j of the same block (0 at an unsupervised slot: nothing after it is
+    accepted).
 
     A block's expected accepted length is `E = sum_m prod_{j <= m} q_j`, and `dE = sum_k C_k * d log q_k`: a
     cross-entropy weighted by these (detached) `C_k` has exactly the gradient of `-E`, the acceptance-length objective
-    (the "LK" losses of SpecForge and NeMo Automodel aim at the same quantity). `hidden` and `labels` are the
-    supervised slots' rows, `rows` their indices among the `num_slots = b * N * B` slots.
+    (the "LK" losses of SpecForge and NeMo Automodel aim at the same quantity). `rows` are the supervised slots'
+    indices among the `num_slots = b * N * B` slots.
     """
-    probs = [
-        head(hidden[start : start + chunk_size]).float().softmax(-1).gather(-1, chunk[:, None])[:, 0]
-        for start, chunk in zip(range(0, labels.shape[0], chunk_size), labels.split(chunk_size))
-    ]
-    accepted = torch.zeros(num_slots, dtype=torch.float32, device=hidden.device)
-    accepted[rows] = torch.cat(probs) if probs else accepted[:0]
+    accepted = torch.zeros(num_slots, dtype=torch.float32, device=label_probs.device)
+    accepted[rows] = label_probs.float()
     accepted = accepted.view(-1, block_size)  # [blocks, B]
     accepted[:, 0] = 1.0  # the anchor is the last verified token: given
     prefix = accepted.cumprod(1)  # prod_{j <= m} q_j
     shares = prefix.flip(1).cumsum(1).flip(1)  # sum_{m >= k} prefix_m
-    return shares.flatten()[rows].to(hidden.dtype)
+    return shares.flatten()[rows].to(label_probs.dtype)
 
 
-def _chunk_loss(hidden, head, labels, weights, teacher_logits, distill_weight, teacher_ids):
+def _chunk_loss(hidden, head, labels, teacher_logits, distill_weight, teacher_ids):
+    """Per row: the loss (CE, or CE mixed with the KL to the teacher), the draft's probability of the label
+    (detached), and whether its argmax is the label."""
     logits = head(hidden).float()  # [rows, V_d]
     loss = F.cross_entropy(logits, labels, reduction="none")
+    label_prob = (-loss).exp().detach()
     if teacher_logits is not None and distill_weight > 0:
         log_p = teacher_logits.float().log_softmax(-1)  # [rows, V_d], or [rows, k] over `teacher_ids`
         log_q = logits.log_softmax(-1)
         log_q = log_q if teacher_ids is None else log_q.gather(-1, teacher_ids)
         kl = (log_p.exp() * (log_p - log_q)).sum(-1)
         loss = (1 - distill_weight) * loss + distill_weight * kl
-    hits = logits.argmax(-1) == labels
-    return (loss * weights).sum(), hits
+    return loss, label_prob, logits.argmax(-1) == labels
 
 
 def gather_at_slots(per_position: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
