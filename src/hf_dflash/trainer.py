@@ -334,16 +334,6 @@ def gather_at_slots(per_position: torch.Tensor, batch: dict[str, torch.Tensor]) 
     return per_position.gather(1, source[..., None].expand(-1, -1, per_position.shape[-1]))
 
 
-def gather_teacher_logits(
-    target_logits: torch.Tensor, batch: dict[str, torch.Tensor], draft_token_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`[b, N*B, V_d]`: the target's logits that predict each slot's token (position `a + k - 1`), restricted to the
-    draft vocabulary when there is one."""
-    if draft_token_ids is not None:
-        target_logits = target_logits[..., draft_token_ids]
-    return gather_at_slots(target_logits, batch)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------------------------------
@@ -492,7 +482,8 @@ class DFlashTrainer(Trainer):
         """The target's logits at each slot over the draft vocabulary (`[b, N*B, V_d]`, no ids), or with
         `distill_top_k` its top-k logits and their indices (`[b, N*B, k]` each)."""
         if not self.args.distill_top_k:
-            return gather_teacher_logits(target_logits, inputs, draft.draft_token_ids), None
+            token_ids = draft.draft_token_ids
+            return gather_at_slots(target_logits if token_ids is None else target_logits[..., token_ids], inputs), None
         logits, ids = top_k_over_draft_vocabulary(target_logits, draft.draft_token_ids, self.args.distill_top_k)
         return gather_at_slots(logits, inputs), gather_at_slots(ids, inputs)
 
