@@ -17,7 +17,9 @@ def folders(tmp_path_factory):
     target = make_target("llama")
     target.save_pretrained(root / "target")
     make_draft(target, block_size=4, num_hidden_layers=1).save_pretrained(root / "draft")
-    wider = AutoModelForCausalLM.from_config(LlamaConfig(**(FAMILY_CONFIGS["llama"]().to_dict() | {"hidden_size": 32})))
+    wider = AutoModelForCausalLM.from_config(
+        LlamaConfig(**(FAMILY_CONFIGS["llama"]().to_dict() | {"hidden_size": 32}))
+    )
     make_draft(wider, block_size=4, num_hidden_layers=1).save_pretrained(root / "other_draft")
     return root
 

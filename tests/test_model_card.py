@@ -185,6 +185,22 @@ def test_local_target_name_stays_out_of_metadata():
     assert "# DFlash drafter for smollm2-135m-instruct" in card.text
 
 
+@pytest.mark.parametrize(
+    "target_adapter, loaded",
+    [
+        ("someone/Qwen3-8B-telegraph-lora", "someone/Qwen3-8B-telegraph-lora"),
+        ("a telegram-style LoRA (scripts/finetune_target_lora.py)", "<the target's adapter: folder or Hub id>"),
+    ],
+)
+def test_target_adapter_snippet_loads_a_reference_never_a_description(target_adapter, loaded):
+    text = render_model_card(filled_info(target_adapter=target_adapter)).text
+    assert f"fine-tuned with the adapter `{target_adapter}`" in text  # the prose names it as given
+    snippet_lines = [line for line in text.splitlines() if line.startswith("target = PeftModel.from_pretrained")]
+    assert snippet_lines == [
+        f'target = PeftModel.from_pretrained(target, "{loaded}")  # the fine-tuned target this drafter serves'
+    ]
+
+
 @pytest.fixture(scope="module")
 def draft():
     return make_draft(make_target("qwen3"), block_size=8, num_hidden_layers=2)

@@ -139,11 +139,20 @@ def render_model_card(info: DrafterCardInfo) -> ModelCard:
         chat_template=info.training.get("chat_template"),
         base_drafter=info.base_drafter,
         target_adapter=info.target_adapter,
+        target_adapter_ref=_loadable_reference(info.target_adapter),
         adapter_text=_adapter_text(info.adapter),
         serving_notes=_serving_notes(info),
         training_rows=_training_rows(info),
         acceptance_rows=_acceptance_rows(info.acceptance),
     )
+
+
+def _loadable_reference(adapter: str | None) -> str:
+    """What the card's `PeftModel.from_pretrained(target, ...)` line loads: the target adapter's folder or Hub id, or
+    a placeholder when the card was given a description of it instead (a recipe, a sentence)."""
+    if adapter and not any(character.isspace() for character in adapter):
+        return adapter
+    return "<the target's adapter: folder or Hub id>"
 
 
 def write_model_card(folder: str | os.PathLike, info: DrafterCardInfo) -> Path:
