@@ -94,6 +94,7 @@ def train_variant(command: list[str], folder: Path) -> dict:
     cost = {
         "cpu_min": round(((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)) / 60, 2),
         "wall_min": round((time.perf_counter() - start) / 60, 2),
+        "training_threads": os.environ.get("OMP_NUM_THREADS", "torch default"),
         "command": shlex.join(command),
     }
     cost_path.write_text(json.dumps(cost, indent=1) + "\n")
@@ -211,7 +212,6 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "greedy": True,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
-        "training_threads": os.environ.get("OMP_NUM_THREADS", "torch default"),
         "command": shlex.join([sys.executable, *sys.argv]),
     }
     target, tokenizer = load_target_and_tokenizer(args.target, device="cpu")

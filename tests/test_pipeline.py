@@ -5,6 +5,7 @@ The target is a tiny random Llama saved with a real tokenizer (SmolLM2's, with i
 meets what a user's folder holds. Marked slow: four fresh processes (about a minute on 2 cores)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,7 +101,8 @@ def test_the_ablation_harness_trains_each_variant_once_and_measures_it(workspace
         "--common", "--max_steps 4 --block_size 4 --per_device_train_batch_size 2 --disable_tqdm true",
         "--variant", "baseline=", "--variant", "init-target=--draft_init target",
     ]  # fmt: skip
-    subprocess.run(command, cwd=workspace, check=True, capture_output=True, timeout=600)
+    one_thread = os.environ | {"OMP_NUM_THREADS": "1"}  # recorded per variant: trainings may run side by side
+    subprocess.run(command, cwd=workspace, check=True, capture_output=True, timeout=600, env=one_thread)
     report = json.loads((workspace / "report" / "ablation.json").read_text())
     assert list(report["variants"]) == ["baseline", "init-target"]
     for name, init in (("baseline", "random"), ("init-target", "target")):
@@ -108,6 +110,7 @@ def test_the_ablation_harness_trains_each_variant_once_and_measures_it(workspace
         info = json.loads((workspace / "runs" / name / "training_info.json").read_text())
         assert info["training"]["draft_init"] == init and info["training"]["steps"] == 4
         assert row["cpu_min"] > row["train_cpu_min"] > 0 and row["draft_step_ms"] > 0
+        assert row["training_threads"] == "1"
         assert info["training"]["train_cpu_s"] == pytest.approx(60 * row["train_cpu_min"], abs=0.6)
         minutes = [step_minutes for step_minutes, _ in row["held_out_curve"]]
         assert minutes == pytest.approx([row["train_cpu_min"] / 2, row["train_cpu_min"]], abs=0.01)
