@@ -44,6 +44,7 @@ from hf_dflash.benchmark import time_draft_forward  # noqa: E402
 from hf_dflash.data import encode_prompt, load_training_dataset  # noqa: E402
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
 from hf_dflash.prompts import load_prompts  # noqa: E402
+from hf_dflash.training_script import held_out_prompts  # noqa: E402
 from hf_dflash.verify_policy import VerifyCosts, measure_verify_costs  # noqa: E402
 
 BENCHMARKS = ("gsm8k", "humaneval", "mt-bench")
@@ -99,13 +100,6 @@ def train_variant(command: list[str], folder: Path) -> dict:
     }
     cost_path.write_text(json.dumps(cost, indent=1) + "\n")
     return cost
-
-
-def held_out_prompts(data: str, holdout: int) -> list[list[int]]:
-    """The prompt ids of the records `hf-dflash train --acceptance_holdout` keeps out of training (the last ones)."""
-    records = load_training_dataset(data)
-    rows = records.select(range(len(records) - holdout, len(records)))
-    return [ids[: mask.index(1)] for ids, mask in zip(rows["input_ids"], rows["loss_mask"])]
 
 
 def acceptance(target, draft, prompt_sets: dict[str, list[list[int]]], costs, max_new_tokens: int) -> dict:
@@ -215,7 +209,9 @@ def main() -> None:
         "command": shlex.join([sys.executable, *sys.argv]),
     }
     target, tokenizer = load_target_and_tokenizer(args.target, device="cpu")
-    prompt_sets = {HELD_OUT: held_out_prompts(args.data, args.holdout)}
+    prompt_sets = {
+        HELD_OUT: [ids[0].tolist() for ids in held_out_prompts(load_training_dataset(args.data), args.holdout)]
+    }
     prompt_sets |= {name: [encode_prompt(tokenizer, p) for p in load_prompts(name, args.limit)] for name in BENCHMARKS}
     verify_seconds = report["conditions"].get("verify_costs_s")  # kept from an earlier, stopped run
     for name, flags in args.variant:

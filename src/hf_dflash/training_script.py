@@ -123,7 +123,7 @@ def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainR
     if split < 1:
         raise ValueError(f"{script.data} has {len(dataset)} records: too few to hold out {script.acceptance_holdout}.")
     train_dataset = dataset.select(range(split))
-    prompts = _held_out_prompts(dataset.select(range(split, len(dataset)))) if script.acceptance_holdout else []
+    prompts = held_out_prompts(dataset, script.acceptance_holdout)
     draft = _initial_draft(script, args, target, tokenizer)
     if script.draft_vocab_size:  # the LM head is the target's: choosing the rows anew loses nothing learned
         draft.set_draft_vocabulary(frequent_response_tokens(train_dataset, script.draft_vocab_size, target))
@@ -280,8 +280,10 @@ def frequent_response_tokens(dataset, size: int, target: PreTrainedModel) -> tor
     return torch.tensor(chosen)
 
 
-def _held_out_prompts(dataset) -> list[torch.Tensor]:
-    """`[1, prompt_len]` prompts of held-out records (the tokens before the first supervised one)."""
+def held_out_prompts(dataset, holdout: int) -> list[torch.Tensor]:
+    """`[1, prompt_len]` prompts of the last `holdout` records, the ones `--acceptance_holdout` keeps out of training
+    (the tokens before the first supervised one)."""
+    dataset = dataset.select(range(len(dataset) - holdout, len(dataset)))
     lengths = dataset["prompt_len"] if "prompt_len" in dataset.column_names else None
     lengths = lengths or [mask.index(1) for mask in dataset["loss_mask"]]
     return [torch.tensor(ids[:length])[None] for ids, length in zip(dataset["input_ids"], lengths)]
