@@ -102,3 +102,34 @@ def test_committed_drafter_exports_the_real_target_heads_draft_rows(smollm2, tmp
     rows = target.get_output_embeddings().weight.detach()[draft.draft_token_ids].to(draft.dtype)
     assert torch.equal(exported["lm_head.weight"], rows)
     assert torch.equal(torch.arange(8192) + exported["d2t"], draft.draft_token_ids)
+
+
+def test_committed_target_adapter_shifts_smollm2_and_the_drafter_adapter_decodes_it_losslessly(smollm2):
+    """The fine-tune of README "Fine-tuned targets" (benchmarks/peft/telegraph-stop-target-lora) really changes what
+    SmolLM2 says (its telegram " stop"), and the committed drafter adapter decodes the fine-tuned target token for
+    token, unmerged as a ``PeftModel`` and merged."""
+    from pathlib import Path
+
+    from hf_dflash.loading import load_draft, load_target_and_tokenizer
+
+    root = Path(__file__).resolve().parent.parent
+    base_target, tokenizer = smollm2
+    tuned, _ = load_target_and_tokenizer(
+        "smollm2-135m-instruct",
+        device="cpu",
+        target_adapter=root / "benchmarks/peft/telegraph-stop-target-lora",
+        merge_target_adapter=True,
+    )
+    inputs = tokenizer(apply_chat_template(tokenizer, load_prompts("gsm8k", limit=1)[0]), return_tensors="pt")
+    base_answer = base_target.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    tuned_answer = tuned.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    width = inputs.input_ids.shape[1]
+    assert " stop" not in tokenizer.decode(base_answer[0, width:])
+    assert " stop" in tokenizer.decode(tuned_answer[0, width:])
+
+    adapter = root / "drafters/smollm2-135m-instruct-telegraph-lora"
+    base_draft = root / "drafters/smollm2-135m-instruct"
+    for merge in (True, False):
+        draft = load_draft(adapter, tuned, base_draft=base_draft, merge_adapter=merge)
+        ours = speculative_generate(tuned, draft, inputs.input_ids, max_new_tokens=MAX_NEW_TOKENS)
+        assert ours.sequences.tolist() == tuned_answer.tolist()
