@@ -259,6 +259,7 @@ def test_train_command_adapts_a_drafter_to_an_adapted_target(base_drafter, adapt
     assert main(argv) == 0
     info = json.loads((tmp_path / "out" / "training_info.json").read_text())
     assert info["target_adapter"] == str(adapter_folders / "adapter") and info["base_drafter"] == str(base_drafter)
+    assert info["training"]["draft_init"] == f"adapter on {base_drafter}"  # not the unused default 'random'
     assert info["training"]["trainable_parameters"] < info["training"]["drafter_parameters"]
     assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
     assert "trained 2 steps" in capsys.readouterr().out

@@ -592,6 +592,8 @@ def test_train_command_continues_a_drafter_and_rechooses_its_vocabulary(tmp_path
     most_common = {token for token, _ in response_tokens.most_common(8)}
     assert most_common <= set(draft.draft_token_ids.tolist())  # re-chosen from this data, not 0..15
     assert draft.config.num_hidden_layers == 1 and draft.config.block_size == 4  # the start's architecture
+    info = json.loads((tmp_path / "out" / "training_info.json").read_text())
+    assert info["training"]["draft_init"] == f"continued from {tmp_path / 'start'}"  # not the unused 'random'
     with pytest.raises(ValueError, match="differs from the 16 of --init_draft"):
         main(common + ["--output_dir", str(tmp_path / "bad"), "--draft_vocab_size", "32"])
     assert not (tmp_path / "bad").exists()

@@ -603,7 +603,7 @@ class DFlashTrainer(Trainer):
             "max_length": self.args.max_length,
             "distill_weight": self.args.distill_weight,
             "acceptance_loss_weight": self.args.acceptance_loss_weight,
-            "draft_init": self.args.draft_init,
+            "draft_init": self._draft_start(),
         }
         if self.base_drafter is not None:
             trainable, total = draft.get_nb_trainable_parameters()
@@ -613,6 +613,14 @@ class DFlashTrainer(Trainer):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
         os.replace(tmp, path)
+
+    def _draft_start(self) -> str:
+        """How the drafter's weights started, for its card: an adapter's frozen base drafter, the drafter the caller
+        says this one continues (`training_info["training"]["draft_init"]`, e.g. `hf-dflash train --init_draft`),
+        else `args.draft_init` ('random' or 'target'), which only describes a drafter this trainer started."""
+        if self.base_drafter is not None:
+            return f"adapter on {self.base_drafter['name_or_path']}"
+        return self.training_info.get("training", {}).get("draft_init", self.args.draft_init)
 
     def create_model_card(
         self,
