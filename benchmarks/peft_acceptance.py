@@ -4,10 +4,10 @@ For each (target, drafter) pair it runs greedy `speculative_generate` verifying 
 is the drafter's acceptance, free of the planner and of timing) on the first prompts of GSM8K, HumanEval and MT-Bench,
 and prints one JSON document last: tau per pair and prompt set, with the conditions.
 
-    python benchmarks/peft_acceptance.py --target_adapter runs/peft/telegraph-stop-lora --limit 10 \
+    python benchmarks/peft_acceptance.py --target_adapter benchmarks/peft/telegraph-stop-target-lora --limit 16 \
         --pair base:base:drafters/smollm2-135m-instruct --pair tuned:base:drafters/smollm2-135m-instruct \
-        --pair tuned:lora:runs/peft/drafter-stop-lora --pair tuned:full:runs/peft/drafter-stop-full \
-        --output benchmarks/peft/acceptance.json
+        --pair tuned:lora:drafters/smollm2-135m-instruct-telegraph-lora --pair tuned:full:runs/drafter-code-full \
+        --output benchmarks/peft/acceptance_code_data.json
 
 A pair is `TARGET:NAME:DRAFTER`, TARGET `base` or `tuned` (the target with `--target_adapter` merged), DRAFTER a
 drafter folder or a drafter adapter folder (`hf_dflash.loading.load_draft` reads both).
