@@ -2,6 +2,8 @@
 
 Marked `slow` (about a minute on 2 cores); `.ci/run` runs it after the default suite."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.prompts import apply_chat_template, load_prompts
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
 MAX_NEW_TOKENS = 40
 
 
@@ -108,16 +111,13 @@ def test_committed_target_adapter_shifts_smollm2_and_the_drafter_adapter_decodes
     """The fine-tune of README "Fine-tuned targets" (benchmarks/peft/telegraph-stop-target-lora) really changes what
     SmolLM2 says (its telegram " stop"), and the committed drafter adapter decodes the fine-tuned target token for
     token, unmerged as a ``PeftModel`` and merged."""
-    from pathlib import Path
-
     from hf_dflash.loading import load_draft, load_target_and_tokenizer
 
-    root = Path(__file__).resolve().parent.parent
     base_target, tokenizer = smollm2
     tuned, _ = load_target_and_tokenizer(
         "smollm2-135m-instruct",
         device="cpu",
-        target_adapter=root / "benchmarks/peft/telegraph-stop-target-lora",
+        target_adapter=ROOT / "benchmarks/peft/telegraph-stop-target-lora",
         merge_target_adapter=True,
     )
     inputs = tokenizer(apply_chat_template(tokenizer, load_prompts("gsm8k", limit=1)[0]), return_tensors="pt")
@@ -127,8 +127,8 @@ def test_committed_target_adapter_shifts_smollm2_and_the_drafter_adapter_decodes
     assert " stop" not in tokenizer.decode(base_answer[0, width:])
     assert " stop" in tokenizer.decode(tuned_answer[0, width:])
 
-    adapter = root / "drafters/smollm2-135m-instruct-telegraph-lora"
-    base_draft = root / "drafters/smollm2-135m-instruct"
+    adapter = ROOT / "drafters/smollm2-135m-instruct-telegraph-lora"
+    base_draft = ROOT / "drafters/smollm2-135m-instruct"
     for merge in (True, False):
         draft = load_draft(adapter, tuned, base_draft=base_draft, merge_adapter=merge)
         ours = speculative_generate(tuned, draft, inputs.input_ids, max_new_tokens=MAX_NEW_TOKENS)
