@@ -134,14 +134,13 @@ def _write(cache: TargetCache, path: Path) -> None:
 
 def _read(path: Path, num_rows: int, with_logits: bool) -> TargetCache:
     tensors = load_file(str(path))
-    rows = range(num_rows)
+
+    def column(name: str) -> list[torch.Tensor]:
+        return [tensors[f"{name}.{i}"] for i in range(num_rows)]
+
     if not with_logits:
-        return TargetCache(features=[tensors[f"features.{i}"] for i in rows])
-    return TargetCache(
-        features=[tensors[f"features.{i}"] for i in rows],
-        top_logits=[tensors[f"top_logits.{i}"] for i in rows],
-        top_ids=[tensors[f"top_ids.{i}"] for i in rows],
-    )
+        return TargetCache(features=column("features"))
+    return TargetCache(features=column("features"), top_logits=column("top_logits"), top_ids=column("top_ids"))
 
 
 __all__ = ["TargetCache", "build_target_cache", "cache_key", "top_k_over_draft_vocabulary"]
