@@ -263,3 +263,23 @@ def test_train_command_adapts_a_drafter_to_an_adapted_target(base_drafter, adapt
     assert info["training"]["trainable_parameters"] < info["training"]["drafter_parameters"]
     assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
     assert "trained 2 steps" in capsys.readouterr().out
+
+
+def test_share_of_loss_recovered_is_the_tau_ratio_with_a_paired_bootstrap_interval():
+    from pathlib import Path
+
+    from helpers import load_module
+
+    script = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "peft_acceptance.py")
+    runs = lambda committed, rounds: {"committed": committed, "rounds": rounds}  # noqa: E731
+    # tau 2.0 on the base target, 1.5 after the fine-tune, 1.75 adapted: half of the 0.5 lost comes back.
+    steady = script.share_of_loss_recovered(runs([4, 4], [2, 2]), runs([3, 3], [2, 2]), runs([7, 7], [4, 4]))
+    assert steady == {"share": 0.5, "interval_90": [0.5, 0.5], "resamples": 2000}
+    # The adapted drafter wins all the loss back on prompt 0 and nothing on prompt 1: 50% overall, and an
+    # interval from 0 (prompt 1 drawn twice) to 1 (prompt 0 drawn twice), each a quarter of the resamples.
+    mixed = script.share_of_loss_recovered(
+        runs([40, 40], [20, 20]), runs([30, 30], [20, 20]), runs([40, 30], [20, 20])
+    )
+    assert mixed["share"] == 0.5 and mixed["interval_90"] == [0.0, 1.0]
+    # A set the fine-tune costs nothing has no share to report.
+    assert script.share_of_loss_recovered(runs([3], [2]), runs([3], [2]), runs([4], [2])) is None
