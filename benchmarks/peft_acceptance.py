@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from hf_dflash import speculative_generate  # noqa: E402
 from hf_dflash.data import encode_prompt  # noqa: E402
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
-from hf_dflash.prompts import load_prompts  # noqa: E402
+from hf_dflash.prompts import load_prompts, split_set_limit  # noqa: E402
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 
@@ -94,16 +94,6 @@ def add_shares(results: list[dict]) -> None:
             }
 
 
-def load_prompt_sets(datasets: list[str], limit: int) -> dict[str, list]:
-    """`name` or `name:N` (its first N prompts) -> the prompts."""
-    prompts = {}
-    for entry in datasets:
-        name, _, count = entry.rpartition(":")
-        name, count = (name, int(count)) if name and count.isdigit() else (entry, limit)
-        prompts[name] = load_prompts(name, count)
-    return prompts
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -115,7 +105,9 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
 
-    prompts = load_prompt_sets(args.datasets, args.limit)
+    prompts = {
+        name: load_prompts(name, count) for name, count in (split_set_limit(d, args.limit) for d in args.datasets)
+    }
     targets = {}
     results = []
     for pair in args.pair:

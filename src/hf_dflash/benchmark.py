@@ -260,12 +260,11 @@ def count_new_tokens(generated: torch.LongTensor, eos_token_ids: Sequence[int]) 
 
 def load_benchmark_prompts(tokenizer, datasets: Sequence[str], limit: int | None) -> list[BenchmarkPrompt]:
     """The first `limit` prompts of each dataset (`"name:N"`: its first N), chat template applied, tokenized."""
-    from .prompts import apply_chat_template, load_prompts
+    from .prompts import apply_chat_template, load_prompts, split_set_limit
 
     prompts = []
     for entry in datasets:
-        name, _, count = entry.rpartition(":")
-        name, count = (name, int(count)) if name and count.isdigit() else (entry, limit)
+        name, count = split_set_limit(entry, limit)
         for prompt in load_prompts(name, limit=count):
             ids = tokenizer(apply_chat_template(tokenizer, prompt), return_tensors="pt").input_ids[0]
             prompts.append(BenchmarkPrompt(prompt.id, prompt.dataset, ids))

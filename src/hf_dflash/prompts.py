@@ -154,6 +154,12 @@ def load_prompts(name: str, limit: int | None = None, split: str | None = None) 
     ]
 
 
+def split_set_limit(entry: str, limit: int | None) -> tuple[str, int | None]:
+    """``"name:N"`` -> ``(name, N)``, a set's first N prompts; a bare ``"name"`` -> ``(name, limit)``."""
+    name, _, count = entry.rpartition(":")
+    return (name, int(count)) if name and count.isdigit() else (entry, limit)
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
     """Render a prompt as model input text, ending with the assistant header (``add_generation_prompt``).
 
