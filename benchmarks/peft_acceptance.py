@@ -11,7 +11,8 @@ and prints one JSON document last: tau per pair and prompt set, with the conditi
 
 A pair is `TARGET:NAME:DRAFTER`, TARGET `base` or `tuned` (the target with `--target_adapter` merged), DRAFTER a
 drafter folder or a drafter adapter folder (`hf_dflash.loading.load_draft` reads both). `--datasets humaneval:40`
-takes a set's first 40 prompts instead of `--limit`.
+takes a set's first 40 prompts instead of `--limit`; `--reuse REPORT` reads the pairs an earlier report measured
+under the same conditions instead of running them again (greedy whole-block tau is deterministic).
 
 When the pairs include `base:base:D` and `tuned:base:D` (the base drafter on both targets), every other `tuned` pair
 gets `share_of_loss_recovered` per set: `(tau - tau_tuned_base) / (tau_base_base - tau_tuned_base)`, null where the
@@ -94,6 +95,19 @@ def add_shares(results: list[dict]) -> None:
             }
 
 
+def reusable_results(path: str | None, conditions: dict) -> dict[tuple[str, str, str], dict]:
+    """Results of an earlier report, keyed by (target, drafter name, drafter path), when it was measured under the
+    same conditions: greedy whole-block tau is deterministic, so the reference pairs need not run again."""
+    if path is None:
+        return {}
+    report = json.loads(Path(path).read_text())
+    keys = ("target", "target_adapter", "prompts", "max_new_tokens", "verify")
+    differing = [key for key in keys if report["conditions"].get(key) != conditions[key]]
+    if differing:
+        raise SystemExit(f"--reuse {path}: measured with other {', '.join(differing)}; rerun its pairs instead.")
+    return {(r["target"], r["drafter"], r["path"]): r for r in report["results"] if "acceptance" in r}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -102,16 +116,29 @@ def main() -> None:
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), help="NAME or NAME:N (its first N prompts)")
     parser.add_argument("--limit", type=int, default=5, help="first prompts of each set without :N")
     parser.add_argument("--max_new_tokens", type=int, default=96)
+    parser.add_argument("--reuse", default=None, help="an earlier report: its pairs measured the same way are read")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
 
     prompts = {
         name: load_prompts(name, count) for name, count in (split_set_limit(d, args.limit) for d in args.datasets)
     }
+    conditions = {
+        "target": args.target,
+        "target_adapter": args.target_adapter,
+        "prompts": {name: len(items) for name, items in prompts.items()},
+        "max_new_tokens": args.max_new_tokens,
+        "verify": "whole block every round (speculative_generate, no verify_costs), greedy",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+    }
+    reused = reusable_results(args.reuse, conditions)
     targets = {}
     results = []
     for pair in args.pair:
         which, name, drafter = pair.split(":", 2)
+        if (which, name, drafter) in reused:
+            results.append(reused[which, name, drafter] | {"reused_from": args.reuse})
+            continue
         if which not in targets:
             adapter = {"target_adapter": args.target_adapter, "merge_target_adapter": True} if which == "tuned" else {}
             targets[which] = load_target_and_tokenizer(args.target, device="cpu", **adapter)
@@ -124,17 +151,7 @@ def main() -> None:
         results.append({"target": which, "drafter": name, "path": drafter, "tau": taus, "acceptance": acceptance})
         print(f"{which} target, {name} drafter: {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
     add_shares(results)
-    report = {
-        "conditions": {
-            "target": args.target,
-            "target_adapter": args.target_adapter,
-            "prompts": {name: len(items) for name, items in prompts.items()},
-            "max_new_tokens": args.max_new_tokens,
-            "verify": "whole block every round (speculative_generate, no verify_costs), greedy",
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
-        },
-        "results": results,
-    }
+    report = {"conditions": conditions, "results": results}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report))

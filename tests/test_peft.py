@@ -265,12 +265,16 @@ def test_train_command_adapts_a_drafter_to_an_adapted_target(base_drafter, adapt
     assert "trained 2 steps" in capsys.readouterr().out
 
 
-def test_share_of_loss_recovered_is_the_tau_ratio_with_a_paired_bootstrap_interval():
+def _peft_acceptance_script():
     from pathlib import Path
 
     from helpers import load_module
 
-    script = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "peft_acceptance.py")
+    return load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "peft_acceptance.py")
+
+
+def test_share_of_loss_recovered_is_the_tau_ratio_with_a_paired_bootstrap_interval():
+    script = _peft_acceptance_script()
     runs = lambda committed, rounds: {"committed": committed, "rounds": rounds}  # noqa: E731
     # tau 2.0 on the base target, 1.5 after the fine-tune, 1.75 adapted: half of the 0.5 lost comes back.
     steady = script.share_of_loss_recovered(runs([4, 4], [2, 2]), runs([3, 3], [2, 2]), runs([7, 7], [4, 4]))
@@ -283,3 +287,17 @@ def test_share_of_loss_recovered_is_the_tau_ratio_with_a_paired_bootstrap_interv
     assert mixed["share"] == 0.5 and mixed["interval_90"] == [0.0, 1.0]
     # A set the fine-tune costs nothing has no share to report.
     assert script.share_of_loss_recovered(runs([3], [2]), runs([3], [2]), runs([4], [2])) is None
+
+
+def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions(tmp_path):
+    import json
+
+    script = _peft_acceptance_script()
+    conditions = {"target": "t", "target_adapter": "a", "prompts": {"gsm8k": 2}, "max_new_tokens": 8, "verify": "v"}
+    measured = {"target": "base", "drafter": "base", "path": "d", "tau": {}, "acceptance": {}}
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"conditions": conditions | {"machine": "other"}, "results": [measured]}))
+
+    assert script.reusable_results(str(report), conditions) == {("base", "base", "d"): measured}
+    with pytest.raises(SystemExit, match="other prompts, max_new_tokens; rerun"):
+        script.reusable_results(str(report), conditions | {"prompts": {"gsm8k": 3}, "max_new_tokens": 9})
