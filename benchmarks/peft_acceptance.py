@@ -11,7 +11,7 @@ and prints one JSON document last: tau per pair and prompt set, with the conditi
 
 A pair is `TARGET:NAME:DRAFTER`, TARGET `base` or `tuned` (the target with `--target_adapter` merged), DRAFTER a
 drafter folder or a drafter adapter folder (`hf_dflash.loading.load_draft` reads both). `--datasets humaneval:40`
-takes a set's first 40 prompts instead of `--limit`; `--reuse REPORT` reads the pairs an earlier report measured
+takes a set's first 40 prompts instead of `--limit`; `--reuse REPORT ...` reads the pairs earlier reports measured
 under the same conditions instead of running them again (greedy whole-block tau is deterministic).
 
 When the pairs include `base:base:D` and `tuned:base:D` (the base drafter on both targets), every other `tuned` pair
@@ -95,17 +95,22 @@ def add_shares(results: list[dict]) -> None:
             }
 
 
-def reusable_results(path: str | None, conditions: dict) -> dict[tuple[str, str, str], dict]:
-    """Results of an earlier report, keyed by (target, drafter name, drafter path), when it was measured under the
+def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str, str], dict]:
+    """Results of earlier reports, keyed by (target, drafter name, drafter path), when they were measured under the
     same conditions: greedy whole-block tau is deterministic, so the reference pairs need not run again."""
-    if path is None:
-        return {}
-    report = json.loads(Path(path).read_text())
-    keys = ("target", "target_adapter", "prompts", "max_new_tokens", "verify")
-    differing = [key for key in keys if report["conditions"].get(key) != conditions[key]]
-    if differing:
-        raise SystemExit(f"--reuse {path}: measured with other {', '.join(differing)}; rerun its pairs instead.")
-    return {(r["target"], r["drafter"], r["path"]): r for r in report["results"] if "acceptance" in r}
+    results = {}
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        keys = ("target", "target_adapter", "prompts", "max_new_tokens", "verify")
+        differing = [key for key in keys if report["conditions"].get(key) != conditions[key]]
+        if differing:
+            raise SystemExit(f"--reuse {path}: measured with other {', '.join(differing)}; rerun its pairs instead.")
+        for result in report["results"]:
+            if "acceptance" in result:
+                key = (result["target"], result["drafter"], result["path"])
+                results[key] = {name: value for name, value in result.items() if name != "share_of_loss_recovered"}
+                results[key]["reused_from"] = result.get("reused_from", path)
+    return results
 
 
 def main() -> None:
@@ -116,7 +121,9 @@ def main() -> None:
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), help="NAME or NAME:N (its first N prompts)")
     parser.add_argument("--limit", type=int, default=5, help="first prompts of each set without :N")
     parser.add_argument("--max_new_tokens", type=int, default=96)
-    parser.add_argument("--reuse", default=None, help="an earlier report: its pairs measured the same way are read")
+    parser.add_argument(
+        "--reuse", nargs="+", default=[], help="earlier reports: their pairs measured the same way are read"
+    )
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
 
@@ -137,7 +144,7 @@ def main() -> None:
     for pair in args.pair:
         which, name, drafter = pair.split(":", 2)
         if (which, name, drafter) in reused:
-            results.append(reused[which, name, drafter] | {"reused_from": args.reuse})
+            results.append(reused[which, name, drafter])
             continue
         if which not in targets:
             adapter = {"target_adapter": args.target_adapter, "merge_target_adapter": True} if which == "tuned" else {}

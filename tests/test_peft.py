@@ -298,6 +298,8 @@ def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions(tm
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"conditions": conditions | {"machine": "other"}, "results": [measured]}))
 
-    assert script.reusable_results(str(report), conditions) == {("base", "base", "d"): measured}
+    assert script.reusable_results([str(report)], conditions) == {
+        ("base", "base", "d"): measured | {"reused_from": str(report)}
+    }
     with pytest.raises(SystemExit, match="other prompts, max_new_tokens; rerun"):
-        script.reusable_results(str(report), conditions | {"prompts": {"gsm8k": 3}, "max_new_tokens": 9})
+        script.reusable_results([str(report)], conditions | {"prompts": {"gsm8k": 3}, "max_new_tokens": 9})
