@@ -260,3 +260,34 @@ def test_cli_card(tmp_path, draft, capsys):
 def test_cli_card_without_config(tmp_path, capsys):
     assert main(["card", str(tmp_path), "--base-model", "org/tiny"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_cli_card_adds_measured_sets_to_the_recorded_ones(tmp_path, draft, capsys):
+    """`--acceptance_json` adds sets to the folder's `training_info.json` (a set measured again is replaced, the
+    others stay), so a later card without it still shows every measurement."""
+    draft.save_pretrained(tmp_path)
+    held_out = {"tau": 1.9, "speedup": None, "conditions": "4 held-out prompts"}
+    (tmp_path / "training_info.json").write_text(
+        json.dumps({"base_model": "org/tiny", "acceptance": {"held-out": held_out, "gsm8k": {"tau": 1.2}}})
+    )
+    measured = tmp_path / "report.json"
+    measured.write_text(json.dumps({"acceptance": {"gsm8k": {"tau": 1.76, "speedup": None, "conditions": "16"}}}))
+    assert main(["card", str(tmp_path), "--acceptance_json", str(measured)]) == 0
+    assert main(["card", str(tmp_path)]) == 0  # a refresh keeps what was recorded
+    card = (tmp_path / "README.md").read_text()
+    assert "| held-out | 1.90 |" in card and "| gsm8k | 1.76 |" in card and "| gsm8k | 1.20 |" not in card
+    info = json.loads((tmp_path / "training_info.json").read_text())
+    assert info["base_model"] == "org/tiny" and set(info["acceptance"]) == {"held-out", "gsm8k"}
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("measured", [{"gsm8k": {"speedup": 1.3}}, {"gsm8k": {"tau": "fast"}}, ["gsm8k", 1.7]])
+def test_cli_card_refuses_acceptance_without_a_numeric_tau(tmp_path, draft, capsys, measured):
+    draft.save_pretrained(tmp_path)
+    (tmp_path / "report.json").write_text(json.dumps(measured))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv = ["card", str(tmp_path), "--base_model", "org/tiny", "--acceptance_json", str(tmp_path / "report.json")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "hf-dflash card: error" in error and '"tau"' in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no card, no training_info.json

@@ -78,7 +78,9 @@ def test_committed_drafter_is_lossless_and_accepts_more_than_one_token(smollm2, 
         measured = speculative_generate(
             target, draft, inputs.input_ids, max_new_tokens=MAX_NEW_TOKENS, verify_costs="auto"
         )
-        costed = speculative_generate(target, draft, inputs.input_ids, max_new_tokens=MAX_NEW_TOKENS, verify_costs=steep)
+        costed = speculative_generate(
+            target, draft, inputs.input_ids, max_new_tokens=MAX_NEW_TOKENS, verify_costs=steep
+        )
         assert assisted.tolist() == plain.tolist() == ours.sequences.tolist()
         assert measured.sequences.tolist() == costed.sequences.tolist() == plain.tolist()
         assert costed.stats.verified_drafts < ours.stats.verified_drafts  # steep costs really cut proposals

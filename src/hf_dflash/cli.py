@@ -78,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         "--base_drafter", default=None, help="a drafter adapter's base drafter (Hub id); default: training_info.json"
     )
     card.add_argument("--license", default=None, help="license of the drafter (default apache-2.0)")
-    card.add_argument("--acceptance_json", default=None, help='JSON {dataset: {"tau", "speedup", "conditions"}}')
+    card.add_argument(
+        "--acceptance_json",
+        default=None,
+        help='JSON {dataset: {"tau", "speedup", "conditions"}}: added to the acceptance in training_info.json (a set '
+        "measured again replaces its entry), which the card shows",
+    )
     bench = commands.add_parser(
         "bench",
         help="time every decoding path on real prompts against the fastest plain decoding; check identical outputs",
@@ -259,14 +264,16 @@ def committed_drafter(target_name: str) -> str | None:
 
 
 def run_card(args: argparse.Namespace) -> int:
-    from hf_dflash.model_card import card_info_from_folder, write_model_card
+    from hf_dflash.model_card import card_info_from_folder, merged_acceptance, record_acceptance, write_model_card
 
     acceptance = None
-    if args.acceptance_json:
-        with open(args.acceptance_json) as file:
-            acceptance = json.load(file)
-        acceptance = acceptance.get("acceptance", acceptance)  # a bare mapping or a document with that key
     try:
+        if args.acceptance_json:
+            with open(args.acceptance_json) as file:
+                measured = json.load(file)
+            if isinstance(measured, dict) and "acceptance" in measured:  # a bare mapping or a document with that key
+                measured = measured["acceptance"]
+            acceptance = merged_acceptance(args.dir, measured)
         info = card_info_from_folder(
             args.dir,
             base_model=args.base_model,
@@ -279,6 +286,8 @@ def run_card(args: argparse.Namespace) -> int:
         print(f"hf-dflash card: error: {error}", file=sys.stderr)
         return 2
     path = write_model_card(args.dir, info)
+    if acceptance is not None:
+        record_acceptance(args.dir, acceptance)  # after the card: a failed card changes nothing
     measured = ", ".join(f"{name} tau {result['tau']:.2f}" for name, result in info.acceptance.items())
     print(path)
     print(

@@ -209,6 +209,31 @@ def card_info_from_folder(folder: str | os.PathLike, **overrides: Any) -> Drafte
     return DrafterCardInfo(**values)
 
 
+def merged_acceptance(folder: str | os.PathLike, measured: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The acceptance recorded in `folder/training_info.json` with `measured` (`{dataset: {"tau", "speedup",
+    "conditions"}}`) over it: a set measured again replaces its entry, the others stay."""
+    if not isinstance(measured, dict):
+        raise ValueError(f'Acceptance must map a dataset to {{"tau", "speedup", "conditions"}}, got {measured!r}.')
+    for dataset, result in measured.items():
+        tau = result.get("tau") if isinstance(result, dict) else None
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+            raise ValueError(f'Acceptance of {dataset!r} needs a numeric "tau", got {result!r}.')
+    path = Path(folder) / TRAINING_INFO_FILE
+    recorded = json.loads(path.read_text()).get("acceptance", {}) if path.is_file() else {}
+    return recorded | measured
+
+
+def record_acceptance(folder: str | os.PathLike, acceptance: dict[str, dict[str, Any]]) -> Path:
+    """Write `acceptance` into `folder/training_info.json` (created if missing, replaced whole), so that every later
+    card of the folder shows it."""
+    path = Path(folder) / TRAINING_INFO_FILE
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(info | {"acceptance": acceptance}, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def _drafter_config(folder: Path) -> tuple[DFlashConfig, str]:
     """The drafter's config and the folder's layout: `config.json` (hf-dflash or z-lab), or for an adapter folder the
     config of the drafter it adapts (`dflash_adapter.json`)."""
