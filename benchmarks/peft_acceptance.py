@@ -14,6 +14,8 @@ A pair is `TARGET:NAME:DRAFTER`, TARGET `base` or `tuned` (the target with `--ta
 drafter folder or a drafter adapter folder (`hf_dflash.loading.load_draft` reads both). `--datasets humaneval:40`
 takes a set's first 40 prompts instead of `--limit`; `--reuse REPORT ...` reads the pairs earlier reports measured
 under the same conditions instead of running them again (greedy whole-block tau is deterministic).
+`--card_acceptance lora=runs/card.json` also writes the `lora` pair's tau per set for
+`hf-dflash card DIR --acceptance_json runs/card.json` (the drafter's card).
 
 When the pairs include `base:base:D` and `tuned:base:D` (the base drafter on both targets), every other `tuned` pair
 gets `share_of_loss_recovered` per set: `(tau - tau_tuned_base) / (tau_base_base - tau_tuned_base)`, null where the
@@ -79,6 +81,8 @@ def share_of_loss_recovered(
         return None
     rng = random.Random(seed)
     resampled = sorted(s for _ in range(samples) if (s := share(rng.choices(prompts, k=len(prompts)))) is not None)
+    if not resampled:  # the loss rests on too few prompts for any resample to keep it
+        return {"share": round(point, 2), "interval_90": None, "resamples": 0}
     low, high = resampled[int(0.05 * len(resampled))], resampled[int(0.95 * len(resampled)) - 1]
     return {"share": round(point, 2), "interval_90": [round(low, 2), round(high, 2)], "resamples": len(resampled)}
 
@@ -95,6 +99,28 @@ def add_shares(results: list[dict]) -> None:
                 name: share_of_loss_recovered(by_key["base", "base"][name], by_key["tuned", "base"][name], runs)
                 for name, runs in result["acceptance"].items()
             }
+
+
+def card_acceptance(results: list[dict], name: str, conditions: dict, report: str) -> dict:
+    """What the drafter of the tuned pair `name` measured, as `hf-dflash card DIR --acceptance_json` reads it:
+    `{"acceptance": {set: {"tau", "speedup", "conditions"}}}`, each set's conditions naming the fine-tune, the base
+    drafter's tau on it and the share of its loss won back where the run has them."""
+    by_key = {(r["target"], r["drafter"]): r for r in results}
+    pair, base = by_key["tuned", name], by_key.get(("tuned", "base"))
+    acceptance = {}
+    for dataset, tau in pair["tau"].items():
+        text = (
+            f"first {conditions['prompts'][dataset]} prompts, whole block, greedy, {conditions['max_new_tokens']} new "
+            f"tokens, on {conditions['target']} fine-tuned by {conditions['target_adapter']}"
+        )
+        if base is not None:
+            text += f"; the base drafter alone: tau {base['tau'][dataset]}"
+        share = (pair.get("share_of_loss_recovered") or {}).get(dataset)
+        if share is not None and share["interval_90"] is not None:
+            low, high = share["interval_90"]
+            text += f", {share['share']:.0%} of its loss won back (90% interval {low:.0%}-{high:.0%})"
+        acceptance[dataset] = {"tau": tau, "speedup": None, "conditions": f"{text} ({report})"}
+    return {"acceptance": acceptance}
 
 
 def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str, str], dict]:
@@ -127,7 +153,19 @@ def main() -> None:
         "--reuse", nargs="+", default=[], help="earlier reports: their pairs measured the same way are read"
     )
     parser.add_argument("--output", required=True)
+    parser.add_argument(
+        "--card_acceptance",
+        metavar="NAME=PATH",
+        default=None,
+        help="also write the tuned pair NAME's acceptance to PATH, for `hf-dflash card DIR --acceptance_json PATH`",
+    )
     args = parser.parse_args()
+    pairs = [tuple(pair.split(":", 2)) for pair in args.pair]
+    if any(len(pair) != 3 or pair[0] not in ("base", "tuned") for pair in pairs):
+        parser.error(f"--pair takes TARGET:NAME:DRAFTER with TARGET base or tuned, got {args.pair}")
+    card_name, _, card_path = (args.card_acceptance or "").partition("=")
+    if args.card_acceptance and (not card_path or ("tuned", card_name) not in [pair[:2] for pair in pairs]):
+        parser.error(f"--card_acceptance takes NAME=PATH, NAME a tuned pair's name; got {args.card_acceptance!r}")
 
     prompts = {
         name: load_prompts(name, count) for name, count in (split_set_limit(d, args.limit) for d in args.datasets)
@@ -143,8 +181,7 @@ def main() -> None:
     reused = reusable_results(args.reuse, conditions)
     targets = {}
     results = []
-    for pair in args.pair:
-        which, name, drafter = pair.split(":", 2)
+    for which, name, drafter in pairs:
         if (which, name, drafter) in reused:
             results.append(reused[which, name, drafter])
             continue
@@ -163,6 +200,9 @@ def main() -> None:
     report = {"conditions": conditions, "results": results}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    if args.card_acceptance:
+        card = card_acceptance(results, card_name, conditions, args.output)
+        Path(card_path).write_text(json.dumps(card, indent=1) + "\n")
     print(json.dumps(report))
 
 

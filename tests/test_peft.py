@@ -303,3 +303,23 @@ def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions(tm
     }
     with pytest.raises(SystemExit, match="other prompts, max_new_tokens; rerun"):
         script.reusable_results([str(report)], conditions | {"prompts": {"gsm8k": 3}, "max_new_tokens": 9})
+
+
+def test_peft_acceptance_writes_a_pairs_acceptance_for_its_card():
+    """`--card_acceptance`: the adapted pair's tau per set, with the base drafter's tau and the share of the loss won
+    back in its conditions, in the mapping `hf-dflash card --acceptance_json` reads."""
+    script = _peft_acceptance_script()
+    conditions = {"target": "t", "target_adapter": "a", "prompts": {"humaneval": 2}, "max_new_tokens": 8}
+    runs = lambda committed, rounds: {"humaneval": {"committed": committed, "rounds": rounds}}  # noqa: E731
+    results = [
+        {"target": "base", "drafter": "base", "tau": {"humaneval": 2.0}, "acceptance": runs([40, 40], [20, 20])},
+        {"target": "tuned", "drafter": "base", "tau": {"humaneval": 1.5}, "acceptance": runs([30, 30], [20, 20])},
+        {"target": "tuned", "drafter": "lora", "tau": {"humaneval": 1.75}, "acceptance": runs([40, 30], [20, 20])},
+    ]
+    script.add_shares(results)
+    entry = script.card_acceptance(results, "lora", conditions, "report.json")["acceptance"]["humaneval"]
+    assert entry["tau"] == 1.75 and entry["speedup"] is None
+    assert entry["conditions"] == (
+        "first 2 prompts, whole block, greedy, 8 new tokens, on t fine-tuned by a; the base drafter alone: tau 1.5, "
+        "50% of its loss won back (90% interval 0%-100%) (report.json)"
+    )
