@@ -87,7 +87,7 @@ def train_variant(command: list[str], folder: Path) -> dict:
             )
         return cost
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    log = folder.with_suffix(".log")
+    log = folder.parent / f"{folder.name}.log"  # not with_suffix: "acceptance-0.5" would become "acceptance-0.log"
     folder.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as stream:
         subprocess.run(command, check=True, stdout=stream, stderr=subprocess.STDOUT)

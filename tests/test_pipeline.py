@@ -124,10 +124,11 @@ def test_the_ablation_harness_trains_each_variant_once_and_measures_it(workspace
 
     # A rerun with one more variant trains and measures only that one.
     trained = (workspace / "runs" / "baseline.log").stat().st_mtime_ns
-    subprocess.run([*command, "--variant", "accept=--acceptance_loss_weight 1"], cwd=workspace, check=True,
+    subprocess.run([*command, "--variant", "accept-1.0=--acceptance_loss_weight 1"], cwd=workspace, check=True,
                    capture_output=True, timeout=600)  # fmt: skip
     rerun = json.loads((workspace / "report" / "ablation.json").read_text())
-    assert list(rerun["variants"]) == ["baseline", "init-target", "accept"]
+    assert list(rerun["variants"]) == ["baseline", "init-target", "accept-1.0"]
+    assert (workspace / "runs" / "accept-1.0.log").is_file()  # a dotted name keeps its whole name
     assert rerun["variants"]["baseline"] == report["variants"]["baseline"]
     assert (workspace / "runs" / "baseline.log").stat().st_mtime_ns == trained
 
