@@ -389,3 +389,18 @@ def test_load_training_dataset_reads_valid_records(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="holds no records"):
         data.load_training_dataset(tmp_path / "empty.jsonl")
+
+
+def test_the_committed_ablation_data_was_regenerated_from_filtered_prompts_only():
+    """benchmarks/ablation/data.jsonl (committed so that a session need not regenerate it) holds answers to prompts
+    the evaluation filter keeps today: a record of a prompt that equals or contains a benchmark item has an id
+    `training_prompts` drops."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ablation" / "data.jsonl"
+    records = data.load_training_dataset(path)
+    kept = {prompt.id for prompt in data.training_prompts(["sharegpt", "math500"], 330)}
+    unfiltered = {prompt.id for prompt in data.training_prompts(["sharegpt", "math500"], 330, evaluation=[])}
+    assert unfiltered - kept  # these sources do hold benchmark items: the check below can fail
+    assert len(records) == 634 and len(set(records["id"])) == 634
+    assert set(records["id"]) <= kept
