@@ -20,9 +20,15 @@ from transformers import PreTrainedModel
 
 from hf_dflash import DFlashForDrafting, DFlashLayouts
 from hf_dflash.loading import load_target_and_tokenizer
-from hf_dflash.model_card import card_info_from_folder, write_model_card
+from hf_dflash.model_card import (
+    TRAINING_INFO_FILE,
+    card_info_from_folder,
+    merged_acceptance,
+    write_model_card,
+    write_training_info,
+)
 from hf_dflash.modeling_dflash import input_embedding_scale
-from hf_dflash.trainer import TRAINING_INFO_FILE, verify_saved_draft
+from hf_dflash.trainer import verify_saved_draft
 
 
 def main() -> None:
@@ -46,9 +52,12 @@ def main() -> None:
     verify_saved_draft(draft, destination)
     verify_saved_draft(draft, destination / "zlab")
     info = json.loads((source / TRAINING_INFO_FILE).read_text()) if (source / TRAINING_INFO_FILE).is_file() else {}
+    measured = {}
     for report in args.acceptance_json:
-        info["acceptance"] = {**info.get("acceptance", {}), **acceptance_from_report(Path(report))}
-    (destination / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        measured |= acceptance_from_report(Path(report))
+    if measured:
+        info["acceptance"] = merged_acceptance(source, measured)
+    write_training_info(destination, info)
     for leftover in ("training_args.bin",):
         (destination / leftover).unlink(missing_ok=True)
     write_model_card(destination, card_info_from_folder(destination))

@@ -224,12 +224,18 @@ def merged_acceptance(folder: str | os.PathLike, measured: dict[str, Any]) -> di
 
 
 def record_acceptance(folder: str | os.PathLike, acceptance: dict[str, dict[str, Any]]) -> Path:
-    """Write `acceptance` into `folder/training_info.json` (created if missing, replaced whole), so that every later
-    card of the folder shows it."""
+    """Write `acceptance` into `folder/training_info.json` (created if missing), so that every later card of the
+    folder shows it."""
     path = Path(folder) / TRAINING_INFO_FILE
     info = json.loads(path.read_text()) if path.is_file() else {}
+    return write_training_info(folder, info | {"acceptance": acceptance})
+
+
+def write_training_info(folder: str | os.PathLike, info: dict[str, Any]) -> Path:
+    """Write `folder/training_info.json`, replaced whole (temp file + `os.replace`): what the card reads."""
+    path = Path(folder) / TRAINING_INFO_FILE
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(info | {"acceptance": acceptance}, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -23,7 +23,6 @@ embedding and LM head. Checkpoints hold the draft only and are reloaded and comp
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import time
@@ -55,6 +54,7 @@ from .collator import (
 )
 from .draft_init import initialize_draft_from_target
 from .generation_dflash import check_draft_fits_target, context_features, pad_token_id_of
+from .model_card import write_training_info
 from .modeling_dflash import DFlashForDrafting, DFlashLayouts
 from .speculative import speculative_generate
 from .target_cache import TargetCache, build_target_cache, top_k_over_draft_vocabulary
@@ -63,7 +63,6 @@ logger = logging.get_logger(__name__)
 
 ATTENTION_BACKENDS = ("sdpa", "eager", "flex_attention")
 DRAFT_INITS = ("random", "target")
-TRAINING_INFO_FILE = "training_info.json"
 
 
 @dataclass
@@ -609,10 +608,7 @@ class DFlashTrainer(Trainer):
             trainable, total = draft.get_nb_trainable_parameters()
             info["base_drafter"] = self.base_drafter["name_or_path"]
             info["training"] |= {"trainable_parameters": trainable, "drafter_parameters": total - trainable}
-        path = Path(output_dir) / TRAINING_INFO_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
-        os.replace(tmp, path)
+        write_training_info(output_dir, info)
 
     def _draft_start(self) -> str:
         """How the drafter's weights started, for its card: an adapter's frozen base drafter, the drafter the caller
