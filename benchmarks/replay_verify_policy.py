@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from hf_dflash import DFlashForDrafting, speculative_generate  # noqa: E402
 from hf_dflash.benchmark import load_benchmark_prompts  # noqa: E402
 from hf_dflash.targets import load_target  # noqa: E402
-from hf_dflash.verify_policy import VerifyCosts, measure_verify_costs  # noqa: E402
+from hf_dflash.verify_policy import Fallback, VerifyCosts, measure_verify_costs  # noqa: E402
 
 SCALES = (1.0, 0.8, 0.6)
 
@@ -43,6 +43,10 @@ class RecordingCosts(VerifyCosts):
         previous = torch.cat([path_probs.new_ones(path_probs.shape[0], 1), path_probs[:, :-1]], dim=1)
         self.recorded.append((path_probs / previous)[0].tolist())
         return path_probs.shape[1]
+
+    def fallback(self) -> Fallback:
+        """A fallback that never judges (its window is shorter than the rounds it waits for): every step drafts."""
+        return Fallback(self, window=1, min_rounds=2)
 
 
 def record_rounds(target, draft, prompts, max_new_tokens: int) -> list[tuple[list[float], int]]:

@@ -49,31 +49,56 @@ def test_best_num_nodes_counts_every_node_a_tree_may_accept():
 
 
 def test_fallback_pauses_drafting_that_does_not_pay_and_backs_off():
-    costs = VerifyCosts(verify=(1.0, 1.5, 2.0), draft=0.5)  # a drafted round verifying 1 node costs 2.0
-    fallback = Fallback(costs, window=4, min_rounds=2, first_backoff=3, max_backoff=6)
-    fallback.record(committed=2, num_rows=1, num_nodes=1)  # 1 token per second: the same as plain decoding
+    costs = VerifyCosts(verify=(1.0, 1.5, 2.0), draft=0.5)
+    fallback = Fallback(costs, window=4, min_rounds=2, first_backoff=3, max_backoff=6, reference_plain_steps=1)
+    fallback.record(committed=2, num_rows=1, seconds=2.0)
     assert fallback.should_draft()
-    fallback.record(committed=1, num_rows=1, num_nodes=1)  # 3 tokens in 4 s < 1 per s
+    fallback.record(committed=2, num_rows=1, seconds=2.0)  # a judgement is due, but no plain step was timed yet
+    assert not fallback.should_draft()
+    fallback.record_plain(seconds=1.0)  # plain decoding: 1 token per second
+    fallback.record(committed=2, num_rows=1, seconds=2.0)  # 1 token per second: the same as plain decoding
+    assert fallback.should_draft()
+    fallback.record(committed=1, num_rows=1, seconds=2.0)  # 7 tokens in 8 s < 1 per s
     assert [fallback.should_draft() for _ in range(4)] == [False, False, False, True]
-    fallback.record(committed=1, num_rows=1, num_nodes=1)
-    fallback.record(committed=1, num_rows=1, num_nodes=1)  # the probe failed too: twice the pause
+    fallback.record(committed=1, num_rows=1, seconds=2.0)
+    fallback.record(committed=1, num_rows=1, seconds=2.0)  # the probe failed too: twice the pause
     assert [fallback.should_draft() for _ in range(7)] == [False] * 6 + [True]
     for _ in range(4):  # a full window that pays resets the pause
-        fallback.record(committed=3, num_rows=1, num_nodes=1)
+        fallback.record(committed=3, num_rows=1, seconds=2.0)
     assert fallback.backoff == 3 and fallback.should_draft()
+
+
+def test_fallback_judges_rounds_by_their_measured_seconds_against_measured_plain_steps():
+    """The modelled costs say a round verifying one node costs 2 s and a plain step 1 s; what the loop timed wins."""
+    costs = VerifyCosts(verify=(1.0, 1.5), draft=0.5)
+    fallback = Fallback(costs, window=4, min_rounds=2, reference_plain_steps=0)
+    for _ in range(2):
+        fallback.record(committed=2, num_rows=1, seconds=2.2)  # 0.91 tokens/s: slower than the modelled 1/s
+    assert not fallback.should_draft()
+    fallback = Fallback(costs, window=4, min_rounds=2, reference_plain_steps=0)
+    for seconds in (1.5, 1.6, 3.0):  # plain steps really take 2.0 s on average (the last `window`)
+        fallback.record_plain(seconds)
+    assert fallback.plain_seconds == pytest.approx(6.1 / 3)
+    for _ in range(2):
+        fallback.record(committed=2, num_rows=1, seconds=2.2)  # 0.91 tokens/s beats plain's 0.49/s
+    assert fallback.should_draft()
+    for seconds in (0.5, 0.5, 0.5, 0.5):  # the window keeps the last 4 plain steps: 0.5 s each
+        fallback.record_plain(seconds)
+    fallback.record(committed=2, num_rows=1, seconds=2.2)  # 6 tokens in 6.6 s < 2 per s
+    assert not fallback.should_draft()
 
 
 def test_fallback_judges_a_batch_against_plain_decoding_of_every_row():
     costs = VerifyCosts(verify=(1.0, 1.5), draft=0.0)
-    fallback = Fallback(costs, window=2, min_rounds=2)
+    fallback = Fallback(costs, window=2, min_rounds=2, reference_plain_steps=0)
     for _ in range(2):
-        fallback.record(committed=5, num_rows=4, num_nodes=1)  # 5 tokens in 1.5 s < 4 rows per s
+        fallback.record(committed=5, num_rows=4, seconds=1.5)  # 5 tokens in 1.5 s < 4 rows per s
     assert not fallback.should_draft()
 
 
 def test_a_useless_draft_costs_little_more_than_plain_decoding():
     """A draft that is never right, yet sure of itself: after a few rounds the loop decodes plainly, probing now and
-    then, so its modelled cost stays near plain decoding's. Costs shaped like SmolLM2's on this CPU (a draft 0.13x a
+    then, so its cost stays near plain decoding's. Costs shaped like SmolLM2's on this CPU (a draft 0.13x a
     step, 2 tokens 1.12x), linear beyond the first step so that the totals give the exact cost."""
     target = make_target("llama")
     prompt = random_prompt(10, seed=2)
@@ -84,8 +109,12 @@ def test_a_useless_draft_costs_little_more_than_plain_decoding():
     stats = out.stats
     assert out.sequences[0].tolist() == reference.tolist()
     assert stats.plain_steps > 150
+    # The fallback judges measured seconds, in which a useless round (a draft, then a forward over more tokens) is
+    # always slower than a plain step: 4 rounds, 2 timed plain steps, 1 more round, then probes of 4 rounds after
+    # pauses of 8, 16, 32, 64 and 128 steps (248 >= 199 steps).
+    assert stats.num_rounds <= 5 + 4 * 5
     cost = stats.num_rounds * (0.13 + 1.0) + 0.12 * stats.verified_drafts + stats.plain_steps * 1.0
-    assert cost / (200 - 1) < 1.05  # 199 plain steps after the prefill
+    assert cost / (200 - 1) < 1.06  # 199 plain steps after the prefill
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from typing import Any
 
 import torch
@@ -177,6 +178,18 @@ def check_draft_fits_target(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def synchronized_clock(device: torch.device) -> float:
+    """`time.perf_counter()` once `device` has finished its queued work (CUDA and MPS run asynchronously; a CPU
+    has nothing to wait for), so the time between two readings is the work queued between them. Every timer of the
+    library reads this clock (`hf_dflash.verify_policy.synchronized_clock` and `hf_dflash.speculative.synchronized_clock`
+    are this function)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+    return time.perf_counter()
+
+
 def context_features(hidden_states: tuple, target_layer_ids: list[int], length: int) -> torch.Tensor:
     """`[b, length, n * H]`: the tapped layers' outputs (`hidden_states[l + 1]`) of the first `length` positions."""
     try:
@@ -262,7 +275,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.num_seen = 0  # committed tokens whose features are in the cache or pending
         costs = getattr(draft, "verify_costs", None)
         self.fallback = costs.fallback() if costs is not None and hasattr(costs, "fallback") else None
-        self.last_round: tuple[int, int] | None = None  # (length before, candidates) of the last drafted call
+        self.last_step: tuple[int, bool, float] | None = None  # (length before, drafted, start) of the last call
 
     def get_candidates(
         self,
@@ -279,8 +292,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         new = committed - self.num_seen  # the last forward's first positions: what it committed
         self.pending.append(context_features(model_outputs.hidden_states, self.target_layer_ids, new))
         self.num_seen = committed
-        self._record_last_round(input_ids)
-        if self.fallback is not None and not self.fallback.should_draft():
+        self._record_last_step(input_ids)
+        drafting = self.fallback is None or self.fallback.should_draft()
+        self.last_step = (input_ids.shape[1], drafting, synchronized_clock(input_ids.device))
+        if not drafting:
             return input_ids, None  # a plain step: the target decodes one token
         features, self.pending = torch.cat(self.pending, dim=1), []
         hidden = self._draft_block(input_ids, features, (model_kwargs or {}).get("attention_mask"))
@@ -288,15 +303,19 @@ class DFlashCandidateGenerator(CandidateGenerator):
         logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden[:, 1 : 1 + num_draft])  # [1, k, V]
         draft_ids, logits = self._select(input_ids, logits)
         keep = self._num_worth_verifying(logits)
-        self.last_round = (input_ids.shape[1], keep)
         return torch.cat([input_ids, draft_ids[:, :keep]], dim=1), logits[:, :keep] if keep else None
 
-    def _record_last_round(self, input_ids: torch.LongTensor) -> None:
-        """Tell the fallback how many tokens the last drafted call's round committed."""
-        if self.fallback is not None and self.last_round is not None:
-            length_before, num_candidates = self.last_round
-            self.fallback.record(input_ids.shape[1] - length_before, 1, num_candidates)
-        self.last_round = None
+    def _record_last_step(self, input_ids: torch.LongTensor) -> None:
+        """Tell the fallback what the last step (this call's predecessor and the target's verification after it)
+        committed and how long it took."""
+        if self.fallback is not None and self.last_step is not None:
+            length_before, drafted, start = self.last_step
+            seconds = synchronized_clock(input_ids.device) - start
+            if drafted:
+                self.fallback.record(input_ids.shape[1] - length_before, 1, seconds)
+            else:
+                self.fallback.record_plain(seconds)
+        self.last_step = None
 
     def _num_worth_verifying(self, logits: torch.Tensor) -> int:
         """Every proposal, unless decoding is greedy and the drafter carries measured `verify_costs`

@@ -19,7 +19,8 @@ One round, for every row at once (B = block size, S <= B - 1 drafted slots):
            stays exactly the target's own computation.
 
 With `verify_costs`, `Fallback` also skips steps 1-2 while drafting does not pay (a plain decoding step), trying
-again after a pause; the skipped steps' hidden states are kept for the next draft.
+again after a pause; it judges on each step's measured seconds, and the skipped steps' hidden states are kept for
+the next draft.
 
 Targets with sliding-window attention count their window in cache slots, which holes would shrink; for them a batch
 is decoded row by row (still lossless), with chains only.
@@ -56,7 +57,7 @@ from .generation_dflash import (
     token_ids,
     warp_logits,
 )
-from .verify_policy import Fallback, VerifyCosts, cached_verify_costs, synchronized_clock
+from .verify_policy import VerifyCosts, cached_verify_costs, synchronized_clock
 
 logger = logging.get_logger(__name__)
 
@@ -386,7 +387,7 @@ class Proposal:
 def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Tensor, streamer) -> SpeculativeOutput:
     """Prefill, then rounds of draft / plan / verify / accept / keep until every row is done."""
     stats = SpeculativeStats(block_size=setup.block_size)
-    fallback = Fallback(setup.verify_costs) if setup.verify_costs is not None else None
+    fallback = setup.verify_costs.fallback() if setup.verify_costs is not None else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
     state = prefill(setup, input_ids, attention_mask, stats)
@@ -400,13 +401,16 @@ def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Te
         out = verify(setup, state, proposal.tree)
         path, lengths, new_bonus = accept(setup, proposal, out.logits.float())
         tokens = keep_accepted(setup, state, proposal.tree, out.hidden_states, path, lengths)
-        stats.verify_time_s += synchronized_clock(state.bonus.device) - verify_start
+        end = synchronized_clock(state.bonus.device)
+        stats.verify_time_s += end - verify_start
         active = int((~state.done).sum())
         accepted = [row[: n - 1] + [b] for row, n, b in zip(tokens.tolist(), lengths.tolist(), new_bonus.tolist())]
         committed = commit(setup, state, accepted, stats, streamer, count_round=proposal.drafted)
         stats.record_plan(proposal.tree, drafted=proposal.drafted)
         if fallback is not None and proposal.drafted:
-            fallback.record(committed, active, proposal.tree.num_nodes)
+            fallback.record(committed, active, seconds=end - start)
+        elif fallback is not None:
+            fallback.record_plain(seconds=end - start)
         state.bonus = new_bonus
     if streamer is not None:
         streamer.end()

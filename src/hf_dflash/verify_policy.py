@@ -12,7 +12,8 @@ keeps the first `N` that maximise
 where `P(node accepted)` is the node's path probability under the draft (for a chain: `prod_{j <= i} c_j`, `c_j` the
 draft's probability for its own j-th proposal); `N = 0` is a plain step. Rows of a batch share one forward, so their
 expected tokens add up. `Fallback` goes further when drafting stops paying: it skips the draft altogether for a
-number of plain steps (doubling while probes keep failing), judged on the tokens rounds really committed.
+number of plain steps (doubling while probes keep failing), judged on the tokens rounds really committed in the
+seconds they really took, against the plain steps' own measured seconds.
 
 Losslessness does not depend on the plan: the target still checks every token it keeps. Under sampling, `N` is chosen
 from the draft distributions before any token is sampled from them (all of a block's distributions come from one
@@ -22,7 +23,6 @@ correctness needs.
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from .generation_dflash import context_features, noise_block
+from .generation_dflash import context_features, noise_block, synchronized_clock
 
 logger = logging.get_logger(__name__)
 
@@ -88,10 +88,17 @@ class VerifyCosts:
 class Fallback:
     """Plain decoding steps while drafting does not pay, with probes that try again.
 
-    After each drafted round `record` adds the tokens it committed and its modelled seconds; once `min_rounds` of the
-    last `window` rounds are in and they committed fewer tokens per second than plain decoding would
-    (`rows / verify(1)`), the next `backoff` steps skip the draft. The backoff doubles (up to `max_backoff`) each
-    time the rounds after a pause fail again, and is reset by a full window that pays.
+    Judged on time measured as the loop runs, not on the modelled costs: a round also spends time the model leaves
+    out (the tree, the acceptance, the cache bookkeeping), and the costs were timed once, on a random context. After
+    each drafted round `record` adds the tokens it committed and the seconds it took; once `min_rounds` of the last
+    `window` rounds are in and they committed fewer tokens per second than plain steps do (`plain_seconds`: the mean
+    of the last `window` plain steps, `record_plain`), the next `backoff` steps skip the draft. The backoff doubles
+    (up to `max_backoff`) each time the rounds after a pause fail again, and is reset by a full window that pays.
+
+    The first judgement that finds no plain step timed yet takes `reference_plain_steps` plain steps first and
+    judges after them, so rounds are never compared with a cost of other units or conditions (`0`: the modelled
+    `verify(1)` stands in). A plain step costs what plain decoding costs, and its hidden states still feed the next
+    draft, so the reference is cheap.
     """
 
     costs: VerifyCosts
@@ -99,9 +106,11 @@ class Fallback:
     min_rounds: int = 4
     first_backoff: int = 8
     max_backoff: int = 256
+    reference_plain_steps: int = 2
     plain_steps_left: int = field(default=0, init=False)
     backoff: int = field(default=0, init=False)  # the next pause; starts at `first_backoff`
-    _rounds: list[tuple[int, float]] = field(default_factory=list, init=False)  # (tokens committed, modelled s)
+    _rounds: list[tuple[int, float]] = field(default_factory=list, init=False)  # (tokens committed, seconds)
+    _plain: list[float] = field(default_factory=list, init=False)  # seconds of the last plain steps
 
     def __post_init__(self):
         self.backoff = self.first_backoff
@@ -113,13 +122,26 @@ class Fallback:
             return False
         return True
 
-    def record(self, committed: int, num_rows: int, num_nodes: int) -> None:
-        """A drafted round committed `committed` tokens over `num_rows` unfinished rows, verifying `num_nodes`."""
-        self._rounds = [*self._rounds, (committed, self.costs.seconds(num_nodes))][-self.window :]
+    @property
+    def plain_seconds(self) -> float:
+        """Seconds of one plain step: the mean of the last `window` timed plain steps, else the modelled
+        `verify(1)`."""
+        return sum(self._plain) / len(self._plain) if self._plain else self.costs.verify[0]
+
+    def record_plain(self, seconds: float) -> None:
+        """A plain step (no draft, one token per unfinished row) took `seconds`."""
+        self._plain = [*self._plain, seconds][-self.window :]
+
+    def record(self, committed: int, num_rows: int, seconds: float) -> None:
+        """A drafted round committed `committed` tokens over `num_rows` unfinished rows in `seconds`."""
+        self._rounds = [*self._rounds, (committed, seconds)][-self.window :]
         if len(self._rounds) < self.min_rounds:
             return
+        if not self._plain and self.reference_plain_steps > 0:
+            self.plain_steps_left = self.reference_plain_steps  # time plain decoding, then judge
+            return
         rate = sum(tokens for tokens, _ in self._rounds) / sum(seconds for _, seconds in self._rounds)
-        if rate < num_rows / self.costs.verify[0]:
+        if rate < num_rows / self.plain_seconds:
             self.plain_steps_left, self._rounds = self.backoff, []
             self.backoff = min(2 * self.backoff, self.max_backoff)
         elif len(self._rounds) == self.window:
@@ -174,17 +196,6 @@ def cached_verify_costs(
         per_target[key] = measure_verify_costs(target, draft, batch_size, max_tokens=max_tokens)
         logger.info(f"Measured verify costs (relative to one token): {per_target[key].relative()}")
     return per_target[key]
-
-
-def synchronized_clock(device: torch.device) -> float:
-    """`time.perf_counter()` once `device` has finished its queued work (CUDA and MPS run asynchronously; a CPU
-    has nothing to wait for), so the time between two readings is the work queued between them. Every timer of the
-    library reads this clock (`hf_dflash.speculative.synchronized_clock` is this function)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-    return time.perf_counter()
 
 
 def _time_draft(target, draft, hidden_states, batch_size: int, repeats: int) -> float:
