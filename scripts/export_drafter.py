@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,27 +46,56 @@ def main() -> None:
     args = parser.parse_args()
     source, destination = Path(args.source), Path(args.destination)
     dtype = getattr(torch, args.dtype)
+    replace_folder(destination, lambda folder: export(source, folder, dtype, args.target, args.acceptance_json))
+    size = sum(path.stat().st_size for path in destination.rglob("*.safetensors")) / 2**20
+    print(f"{destination}: {args.dtype}, {size:.1f} MiB of weights (both layouts)")
+
+
+def export(source: Path, folder: Path, dtype: torch.dtype, target_name: str | None, reports: list[str]) -> None:
+    """Write the drafter of `source` in `dtype`, its z-lab copy (`zlab/`), `training_info.json` and card into the
+    empty `folder`, checking that both copies load back to the same weights."""
     draft = DFlashForDrafting.from_pretrained(source).to(dtype)
-    target = load_export_target(args.target, dtype) if args.target else None
+    target = load_export_target(target_name, dtype) if target_name else None
     if target is not None and draft.config.input_embedding_scale is None:  # drafters saved before it was recorded
         draft.config.input_embedding_scale = input_embedding_scale(target)
-    draft.save_pretrained(destination)
-    draft.save_pretrained(destination / "zlab", layout=DFlashLayouts.ZLAB, target=target)
-    verify_saved_draft(draft, destination)
-    verify_saved_draft(draft, destination / "zlab")
+    draft.save_pretrained(folder)
+    draft.save_pretrained(folder / "zlab", layout=DFlashLayouts.ZLAB, target=target)
+    verify_saved_draft(draft, folder)
+    verify_saved_draft(draft, folder / "zlab")
     info = json.loads((source / TRAINING_INFO_FILE).read_text()) if (source / TRAINING_INFO_FILE).is_file() else {}
     measured = {}
-    for report in args.acceptance_json:
+    for report in reports:
         measured |= acceptance_from_report(Path(report))
     if measured:
         info["acceptance"] = merged_acceptance(source, measured)
-    write_training_info(destination, info)
+    write_training_info(folder, info)
     for leftover in ("training_args.bin",):
-        (destination / leftover).unlink(missing_ok=True)
-    write_model_card(destination, card_info_from_folder(destination))
-    size = sum(path.stat().st_size for path in destination.rglob("*.safetensors")) / 2**20
-    print(f"{destination}: {args.dtype}, {size:.1f} MiB of weights (both layouts)")
-    shutil.rmtree(destination / ".cache", ignore_errors=True)
+        (folder / leftover).unlink(missing_ok=True)
+    write_model_card(folder, card_info_from_folder(folder))
+    shutil.rmtree(folder / ".cache", ignore_errors=True)
+
+
+def replace_folder(destination: Path, write: Callable[[Path], None]) -> None:
+    """Run `write` on a new sibling folder, then put that folder in `destination`'s place: a failed export leaves
+    `destination` as it was (absent, or the earlier export), never half-written."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(prefix=f".{destination.name}.new.", dir=destination.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    new.chmod(0o777 & ~umask)  # a folder as `mkdir` makes it, not mkdtemp's private 0700
+    old = new.with_name(new.name.replace(".new.", ".old."))
+    try:
+        write(new)
+        if destination.exists():
+            destination.rename(old)
+        new.rename(destination)
+    except BaseException:
+        if old.exists() and not destination.exists():
+            old.rename(destination)
+        raise
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_export_target(name_or_folder: str, dtype: torch.dtype) -> PreTrainedModel:

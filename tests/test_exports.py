@@ -294,6 +294,20 @@ def test_export_with_another_targets_embedding_scale_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_export_accepts_a_bfloat16_targets_rounded_scale_and_records_the_exact_one(tmp_path):
+    """Gemma-3-270m records sqrt(640) = 25.298; loaded in bfloat16 it scales by 25.25. Here: 8.03 recorded, and a
+    target whose bfloat16 scale is 8.0 (the nearest bfloat16); in float32 the same 0.4% is another target."""
+    target = make_target("gemma3")
+    draft = export_draft(target, reduced=False, sliding=False)
+    draft.config.input_embedding_scale = 8.03
+    with pytest.raises(ValueError, match="embedding scale is 8.03, this one scales by 8"):
+        draft.save_pretrained(tmp_path / "fp32", layout="z-lab", target=target)
+    draft.save_pretrained(tmp_path / "bf16", layout="z-lab", target=target.to(torch.bfloat16))
+    assert (
+        json.loads((tmp_path / "bf16" / "config.json").read_text())["dflash_config"]["input_embedding_scale"] == 8.03
+    )
+
+
 def test_export_of_a_drafter_without_recorded_scale_needs_the_target(tmp_path):
     target = make_target("gemma3")
     draft = export_draft(target, reduced=False, sliding=False)

@@ -1,4 +1,4 @@
-"""Tests for the recipe's prompt scripts (``scripts/``): what they write is what the README says they write."""
+"""Tests for the recipe's scripts (``scripts/``): what they write is what the README says they write."""
 
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import load_module
+import torch
+from helpers import load_module, make_draft, make_target
 
-from hf_dflash import data
+from hf_dflash import DFlashForDrafting, data
+from hf_dflash.model_card import write_training_info
 from hf_dflash.prompts import HUMANEVAL_INSTRUCTION, prompt_set_path
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 shaped_prompts = load_module(SCRIPTS / "shaped_prompts.py")
+export_drafter = load_module(SCRIPTS / "export_drafter.py")
 
 
 @pytest.mark.parametrize(
@@ -82,3 +85,38 @@ def test_shaped_prompts_hold_no_benchmark_item(tmp_path):
     kept = data.training_prompts([str(path)], limit_per_source=len(prompts))
 
     assert {p.id for p in kept} == {p.id for p in prompts}
+
+
+def test_export_writes_both_layouts_in_the_dtype_and_replaces_an_earlier_export(tmp_path):
+    source, destination = tmp_path / "trained", tmp_path / "drafters" / "mine"
+    make_draft(make_target("gemma3"), block_size=4).save_pretrained(source)
+    write_training_info(source, {"base_model": "tiny/gemma3"})  # as the trainer writes it
+    destination.mkdir(parents=True)
+    (destination / "stale.txt").write_text("from an earlier export")
+    export = lambda folder: export_drafter.export(source, folder, torch.bfloat16, None, [])  # noqa: E731
+    export_drafter.replace_folder(destination, export)
+    assert sorted(path.name for path in destination.iterdir()) == [
+        "README.md", "config.json", "configuration_dflash.py", "generation_dflash.py", "model.safetensors",
+        "modeling_dflash.py", "training_info.json", "zlab",
+    ]  # fmt: skip
+    assert DFlashForDrafting.from_pretrained(destination).dtype == torch.bfloat16
+    assert sorted(path.name for path in tmp_path.joinpath("drafters").iterdir()) == ["mine"]  # no temporary folder
+    assert destination.stat().st_mode & 0o777 == tmp_path.joinpath("drafters").stat().st_mode & 0o777  # as mkdir
+
+
+def test_a_failed_export_leaves_the_earlier_one_untouched(tmp_path):
+    destination = tmp_path / "mine"
+    destination.mkdir()
+    (destination / "config.json").write_text("{}")
+
+    def fail_halfway(folder: Path) -> None:
+        (folder / "config.json").write_text('{"half": "written"}')
+        raise ValueError("the z-lab copy failed")
+
+    with pytest.raises(ValueError, match="z-lab copy failed"):
+        export_drafter.replace_folder(destination, fail_halfway)
+    assert [path.name for path in tmp_path.iterdir()] == ["mine"]
+    assert (destination / "config.json").read_text() == "{}"
+    with pytest.raises(ValueError, match="z-lab copy failed"):
+        export_drafter.replace_folder(tmp_path / "new", fail_halfway)
+    assert not (tmp_path / "new").exists()

@@ -610,7 +610,11 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         """The target's embedding scale: recorded in the config, measured on `target`, and the two must agree."""
         recorded = self.config.input_embedding_scale
         measured = input_embedding_scale(target) if target is not None else None
-        if recorded is not None and measured is not None and abs(recorded - measured) > 1e-3 * abs(recorded):
+        if (
+            recorded is not None
+            and measured is not None
+            and abs(recorded - measured) > _scale_tolerance(target) * recorded
+        ):
             raise ValueError(
                 f"The drafter was built for a target whose embedding scale is {recorded:g}, this one scales by "
                 f"{measured:g}: pass the target this drafter was built for."
@@ -636,6 +640,17 @@ def _target_rope_parameters(text_config: Any) -> dict:
     if isinstance(rope, dict) and "rope_theta" in rope:
         return draft_rope_parameters(rope)
     return {"rope_type": "default", "rope_theta": 1_000_000.0}
+
+
+def _scale_tolerance(target: PreTrainedModel) -> float:
+    """Relative tolerance between a recorded embedding scale and the one `target` applies: its embedding's rounding.
+
+    A target loaded in bfloat16 keeps its scale in bfloat16 (Gemma 3's sqrt(640) = 25.298 becomes 25.25); distinct
+    targets differ by far more (1 against sqrt(H); sqrt(640) against sqrt(1152))."""
+    embedding = target.get_input_embeddings()
+    scale = getattr(embedding, "embed_scale", None)
+    dtype = scale.dtype if isinstance(scale, torch.Tensor) else embedding.weight.dtype
+    return max(1e-3, torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-3
 
 
 def input_embedding_scale(target: PreTrainedModel) -> float | None:
