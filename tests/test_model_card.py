@@ -255,6 +255,8 @@ def test_cli_card(tmp_path, draft, capsys):
     assert "| gsm8k | 2.50 | 1.30x | CPU, fp32 |" in card.text
     assert '"num_speculative_tokens": 7}' in card.text
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert main(["card", str(tmp_path), "--base-model", "org/tiny"]) == 0  # a refresh keeps the license given once
+    assert ModelCard.load(tmp_path / "README.md").data.license == "mit"
 
 
 def test_cli_card_without_config(tmp_path, capsys):

@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     card.add_argument(
         "--base_drafter", default=None, help="a drafter adapter's base drafter (Hub id); default: training_info.json"
     )
-    card.add_argument("--license", default=None, help="license of the drafter (default apache-2.0)")
+    card.add_argument(
+        "--license", default=None, help="license of the drafter (default apache-2.0; kept for later cards)"
+    )
     card.add_argument(
         "--acceptance_json",
         default=None,
@@ -264,7 +266,7 @@ def committed_drafter(target_name: str) -> str | None:
 
 
 def run_card(args: argparse.Namespace) -> int:
-    from hf_dflash.model_card import card_info_from_folder, merged_acceptance, record_acceptance, write_model_card
+    from hf_dflash.model_card import card_info_from_folder, merged_acceptance, record_card_facts, write_model_card
 
     acceptance = None
     try:
@@ -286,8 +288,9 @@ def run_card(args: argparse.Namespace) -> int:
         print(f"hf-dflash card: error: {error}", file=sys.stderr)
         return 2
     path = write_model_card(args.dir, info)
-    if acceptance is not None:
-        record_acceptance(args.dir, acceptance)  # after the card: a failed card changes nothing
+    facts = {"acceptance": acceptance, "license": args.license}
+    if any(value is not None for value in facts.values()):  # after the card: a failed card changes nothing
+        record_card_facts(args.dir, {name: value for name, value in facts.items() if value is not None})
     measured = ", ".join(f"{name} tau {result['tau']:.2f}" for name, result in info.acceptance.items())
     print(path)
     print(

@@ -223,12 +223,12 @@ def merged_acceptance(folder: str | os.PathLike, measured: dict[str, Any]) -> di
     return recorded | measured
 
 
-def record_acceptance(folder: str | os.PathLike, acceptance: dict[str, dict[str, Any]]) -> Path:
-    """Write `acceptance` into `folder/training_info.json` (created if missing), so that every later card of the
-    folder shows it."""
+def record_card_facts(folder: str | os.PathLike, facts: dict[str, Any]) -> Path:
+    """Write `facts` (card fields such as `acceptance` or `license`) into `folder/training_info.json` (created if
+    missing), so that every later card of the folder shows them."""
     path = Path(folder) / TRAINING_INFO_FILE
     info = json.loads(path.read_text()) if path.is_file() else {}
-    return write_training_info(folder, info | {"acceptance": acceptance})
+    return write_training_info(folder, info | facts)
 
 
 def write_training_info(folder: str | os.PathLike, info: dict[str, Any]) -> Path:
