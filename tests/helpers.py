@@ -144,3 +144,16 @@ def load_module(path: Path, name: str | None = None) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def packaged_target_or_skip(name: str):
+    """`(model, tokenizer)` of a packaged real target (`hf_dflash.targets.load_target`); the test is skipped, naming
+    the package to install, when its weights are not installed."""
+    import pytest
+
+    from hf_dflash import targets
+
+    try:
+        return targets.load_target(name)
+    except ModuleNotFoundError as error:
+        pytest.skip(str(error))

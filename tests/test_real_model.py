@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import packaged_target_or_skip
 
 from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.prompts import apply_chat_template, load_prompts
@@ -17,11 +18,7 @@ MAX_NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def smollm2():
-    targets = pytest.importorskip("hf_dflash.targets")
-    try:
-        return targets.load_target("smollm2-135m-instruct")
-    except ModuleNotFoundError as error:
-        pytest.skip(str(error))
+    return packaged_target_or_skip("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
