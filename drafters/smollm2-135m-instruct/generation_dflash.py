@@ -294,7 +294,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.num_seen = committed
         self._record_last_step(input_ids)
         drafting = self.fallback is None or self.fallback.should_draft()
-        self.last_step = (input_ids.shape[1], drafting, synchronized_clock(input_ids.device))
+        if self.fallback is not None:  # timed only for the fallback: on an accelerator the clock waits for the device
+            self.last_step = (input_ids.shape[1], drafting, synchronized_clock(input_ids.device))
         if not drafting:
             return input_ids, None  # a plain step: the target decodes one token
         features, self.pending = torch.cat(self.pending, dim=1), []
