@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_dflash import DFlashForDrafting, DFlashLayouts
+from hf_dflash.atomic_files import created_mode
 from hf_dflash.loading import load_target_and_tokenizer
 from hf_dflash.model_card import (
     TRAINING_INFO_FILE,
@@ -80,9 +80,7 @@ def replace_folder(destination: Path, write: Callable[[Path], None]) -> None:
     `destination` as it was (absent, or the earlier export), never half-written."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     new = Path(tempfile.mkdtemp(prefix=f".{destination.name}.new.", dir=destination.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    new.chmod(0o777 & ~umask)  # a folder as `mkdir` makes it, not mkdtemp's private 0700
+    new.chmod(created_mode(directory=True))  # a folder as `mkdir` makes it, not mkdtemp's private 0700
     old = new.with_name(new.name.replace(".new.", ".old."))
     try:
         write(new)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from .atomic_files import write_text_atomic
 from .configuration_dflash import DFlashConfig
 from .modeling_dflash import DFlashForDrafting
 
@@ -96,11 +97,9 @@ def base_drafter_record(model: Any) -> dict:
 
 def save_base_drafter_record(record: dict, folder: str | os.PathLike) -> Path:
     """Write ``record`` (``base_drafter_record``) as ``dflash_adapter.json`` next to a saved adapter."""
-    path = Path(folder) / BASE_DRAFTER_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(
+        Path(folder) / BASE_DRAFTER_FILE, json.dumps(record, indent=2, sort_keys=True, default=str) + "\n"
+    )
 
 
 def read_base_drafter_record(folder: str | os.PathLike) -> dict:

@@ -301,9 +301,9 @@ def run_card(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from hf_dflash import benchmark, loading
+    from hf_dflash.atomic_files import write_text_atomic
 
     target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
     draft = loading.load_draft(args.draft, target, revision=args.draft_revision, base_draft=args.base_draft)
@@ -328,9 +328,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report["conditions"]["target_adapter"] = args.target_adapter
     report["conditions"]["command"] = "hf-dflash " + " ".join(sys.argv[1:])
     report["conditions"]["draft_path"] = args.draft
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=1) + "\n")
+    output = write_text_atomic(args.output, json.dumps(report, indent=1) + "\n")
     plot = benchmark.save_plot(report, args.plot or output.with_suffix(".png"))
     print(benchmark.render_table(report))
     print(f"report: {output}  plot: {plot}")

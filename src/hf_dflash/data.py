@@ -35,6 +35,7 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_dflash.atomic_files import atomic_path
 from hf_dflash.prompts import KNOWN_PROMPT_SETS, Prompt, apply_chat_template, get_prompt_set_spec, load_prompts
 
 logger = transformers.utils.logging.get_logger(__name__)
@@ -106,12 +107,9 @@ def prompts_from_dataset(
 def write_prompts_jsonl(prompts: Iterable[Prompt], path: str | os.PathLike) -> Path:
     """Write prompts as JSONL (``id``, ``source``, ``messages``) that ``prompts_from_jsonl`` reads back; atomic."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as file:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as file:
         for prompt in prompts:
             file.write(json.dumps({"id": prompt.id, "source": prompt.dataset, "messages": prompt.messages}) + "\n")
-    os.replace(tmp, path)
     return path
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -22,6 +21,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from transformers.utils import logging
 
 from .adapters import ADAPTER_CONFIG_FILE, base_drafter_config, is_adapter_folder
+from .atomic_files import write_text_atomic
 from .configuration_dflash import DFlashConfig
 from .modeling_dflash import detect_layout
 
@@ -159,16 +159,7 @@ def write_model_card(folder: str | os.PathLike, info: DrafterCardInfo) -> Path:
     """Render the card into `folder/README.md`; the file is replaced whole (temp file + `os.replace`)."""
     folder = Path(folder)
     text = str(render_model_card(info))
-    fd, tmp = tempfile.mkstemp(prefix=".README.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes the file private; a card is for everyone to read
-        os.replace(tmp, folder / "README.md")
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return folder / "README.md"
+    return write_text_atomic(folder / "README.md", text)
 
 
 def card_info_from_folder(folder: str | os.PathLike, **overrides: Any) -> DrafterCardInfo:
@@ -233,11 +224,9 @@ def record_card_facts(folder: str | os.PathLike, facts: dict[str, Any]) -> Path:
 
 def write_training_info(folder: str | os.PathLike, info: dict[str, Any]) -> Path:
     """Write `folder/training_info.json`, replaced whole (temp file + `os.replace`): what the card reads."""
-    path = Path(folder) / TRAINING_INFO_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(
+        Path(folder) / TRAINING_INFO_FILE, json.dumps(info, indent=2, sort_keys=True, default=str) + "\n"
+    )
 
 
 def _drafter_config(folder: Path) -> tuple[DFlashConfig, str]:

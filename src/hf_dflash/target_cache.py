@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from .adapters import draft_fingerprint
+from .atomic_files import atomic_path
 from .modeling_dflash import DFlashForDrafting
 
 logger = logging.get_logger(__name__)
@@ -125,10 +126,8 @@ def _write(cache: TargetCache, path: Path) -> None:
     if cache.top_logits is not None:
         tensors |= {f"top_logits.{i}": tensor for i, tensor in enumerate(cache.top_logits)}
         tensors |= {f"top_ids.{i}": tensor for i, tensor in enumerate(cache.top_ids)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(tmp))
     logger.info(f"Kept the target's features in {path}.")
 
 

@@ -30,6 +30,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .atomic_files import created_mode
+
 logger = transformers.utils.logging.get_logger(__name__)
 
 # Written last into a converted folder; records where the weights came from.
@@ -172,7 +174,7 @@ def convert_and_cache(
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         (tmp_dir / SOURCE_FILE).write_text(json.dumps(source or {}, indent=2) + "\n")
-        tmp_dir.chmod(0o755)  # mkdtemp makes the folder private (0700)
+        tmp_dir.chmod(created_mode(directory=True))  # mkdtemp makes the folder private (0700)
         os.replace(tmp_dir, cache_dir)
     except OSError:
         shutil.rmtree(tmp_dir, ignore_errors=True)
