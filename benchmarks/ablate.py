@@ -233,6 +233,7 @@ def main() -> None:
             "draft_step_ms": round(draft_ms, 2),
             "acceptance": acceptance(target, draft, prompt_sets, costs, args.max_new_tokens),
             "held_out_curve": tau_curve(folder),
+            "measured_by": report["conditions"]["command"],  # conditions keep only the latest invocation's
         }
         print(f"{name}: {json.dumps(report['variants'][name]['acceptance'])}", flush=True)
         output.parent.mkdir(parents=True, exist_ok=True)

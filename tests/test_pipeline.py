@@ -130,6 +130,8 @@ def test_the_ablation_harness_trains_each_variant_once_and_measures_it(workspace
     assert list(rerun["variants"]) == ["baseline", "init-target", "accept-1.0"]
     assert (workspace / "runs" / "accept-1.0.log").is_file()  # a dotted name keeps its whole name
     assert rerun["variants"]["baseline"] == report["variants"]["baseline"]
+    assert "accept-1.0=" in rerun["variants"]["accept-1.0"]["measured_by"]  # each row keeps the run that measured it
+    assert "accept-1.0=" not in rerun["variants"]["baseline"]["measured_by"]
     assert (workspace / "runs" / "baseline.log").stat().st_mtime_ns == trained
 
     # A trained variant is never reused for another command: the harness stops and says so.
