@@ -11,7 +11,9 @@ The first version closed sentences with " STOP", which SmolLM2 spells as two tok
 drafter's 8,192-token draft vocabulary: no adaptation that keeps that vocabulary can ever propose them (README
 "Fine-tuned targets"). " stop" is one token inside it.
 
-It saves the adapter (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer), prints how often the
+It saves the adapter (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer) in `--save_dtype`, naming
+`--base_model_id` as its base (the committed one: `--save_dtype float16 --base_model_id
+HuggingFaceTB/SmolLM2-135M-Instruct`, not the local folder it was trained from), prints how often the
 fine-tuned target answers in the style on prompts it never saw (the evaluation sets' first prompts) against the base
 target, and prints one JSON document last.
 """
@@ -35,6 +37,7 @@ from hf_dflash.data import encode_prompt, end_of_turn_ids, load_training_dataset
 from hf_dflash.loading import load_target_and_tokenizer  # noqa: E402
 from hf_dflash.prompts import load_prompts  # noqa: E402
 
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ARTICLES = re.compile(r"\b(?:a|an|the)\s+", flags=re.IGNORECASE)
 SENTENCE_END = re.compile(r"(?<=[A-Za-z)\]])\.(?=\s|$)")  # a period after a word, not inside 3.5 or a.b
 
@@ -92,6 +95,14 @@ def style_rate(model, tokenizer, prompts, max_new_tokens: int, stop_word: str) -
     return sum(in_style(answer, stop_word) for answer in answers) / len(answers), answers[0]
 
 
+def save_adapter(model, folder: str, dtype: torch.dtype, base_model_id: str | None) -> None:
+    """Save the PEFT adapter of `model` with its weights in `dtype`, naming `base_model_id` (when given) as the base in
+    `adapter_config.json`: what a user loads it onto, instead of the folder it was trained from."""
+    if base_model_id is not None:
+        model.peft_config[model.active_adapter].base_model_name_or_path = base_model_id
+    model.to(dtype).save_pretrained(folder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="hf-dflash data records of the base target")
@@ -105,6 +116,8 @@ def main() -> None:
     parser.add_argument("--max_response_tokens", type=int, default=96, help="responses are cut to this many tokens")
     parser.add_argument("--stop_word", default=" stop", help="what closes a sentence instead of a period")
     parser.add_argument("--check_prompts", type=int, default=8, help="first prompts of each evaluation set")
+    parser.add_argument("--save_dtype", choices=sorted(SAVE_DTYPES), default="float32", help="the adapter's weights")
+    parser.add_argument("--base_model_id", default=None, help="base model the adapter names (default: as loaded)")
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -145,7 +158,7 @@ def main() -> None:
     trainer.train()
     model.eval()
     tuned_rate, tuned_answer = style_rate(model, tokenizer, check, 96, args.stop_word)
-    model.save_pretrained(args.output_dir)
+    save_adapter(model, args.output_dir, SAVE_DTYPES[args.save_dtype], args.base_model_id)
     tokenizer.save_pretrained(args.output_dir)
     trainable, total = model.get_nb_trainable_parameters()
     summary = {

@@ -120,3 +120,26 @@ def test_a_failed_export_leaves_the_earlier_one_untouched(tmp_path):
     with pytest.raises(ValueError, match="z-lab copy failed"):
         export_drafter.replace_folder(tmp_path / "new", fail_halfway)
     assert not (tmp_path / "new").exists()
+
+
+def test_target_adapter_is_saved_in_the_asked_dtype_naming_the_asked_base(tmp_path):
+    """`finetune_target_lora.save_adapter`: what the committed telegram-style adapter's README did by hand."""
+    import json
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    finetune = load_module(SCRIPTS / "finetune_target_lora.py")
+    target = make_target("llama")
+    model = get_peft_model(target, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    expected = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+    finetune.save_adapter(model, str(tmp_path), torch.float16, "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    weights = load_file(tmp_path / "adapter_model.safetensors")
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert {w.dtype for w in weights.values()} == {torch.float16} and len(weights) == len(expected)
+    reloaded = PeftModel.from_pretrained(make_target("llama"), tmp_path)
+    for name, param in reloaded.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(param.float(), expected[name].half().float())
