@@ -170,6 +170,25 @@ def test_card_info_reads_the_serving_facts_from_config(tmp_path):
     assert info.input_embedding_scale == pytest.approx(8.0)
 
 
+@pytest.mark.parametrize("tokenizer_template", [None, "{{ messages }}"])
+def test_quick_start_renders_prompts_as_the_drafter_was_trained(tokenizer_template):
+    """`prompt_format` records how the training prompts were rendered; the quick start does the same: a base model's
+    drafter (raw text) is shown raw text, an instruct model's the chat template."""
+    from types import SimpleNamespace
+
+    from hf_dflash.training_script import RESPONSES_TEMPLATE, prompt_format
+
+    recorded = prompt_format(SimpleNamespace(chat_template=tokenizer_template))
+    assert recorded == (RESPONSES_TEMPLATE if tokenizer_template else False)
+    assert prompt_format(None) is None  # a target without a tokenizer: unknown, not stated
+    text = render_model_card(filled_info(training=TRAINING | {"chat_template": recorded})).text
+    raw = 'tokenizer("The capital of France is", return_tensors="pt")'
+    assert (raw in text) == (not tokenizer_template)
+    assert ("tokenizer.apply_chat_template(" in text) == bool(tokenizer_template)
+    row = "none (prompts as raw text: a base model)" if not tokenizer_template else RESPONSES_TEMPLATE
+    assert f"| Chat template | {row} |" in section(text, "Training")
+
+
 def test_without_measurements_no_numbers_are_made_up():
     text = render_model_card(filled_info(acceptance={}, training={}, drafter_repo_id=None)).text
     acceptance = section(text, "Acceptance length")

@@ -502,6 +502,7 @@ def test_train_command_trains_saves_and_cards_a_drafter(tmp_path, monkeypatch, c
     assert draft.config.block_size == 4 and draft.config.mask_token_id == PAD
     info = json.loads((out / "training_info.json").read_text())
     assert info["training"]["num_sequences"] == 4 and info["training"]["steps"] == 2
+    assert info["training"]["chat_template"] is None  # a target folder without a tokenizer: not known, not stated
     assert "held-out" in info["acceptance"]
     assert info["acceptance"]["held-out"]["tau"] == info["training"]["held_out_tau_by_step"][-1][1]
     card = (out / "README.md").read_text()

@@ -324,6 +324,8 @@ def _training_rows(info: DrafterCardInfo) -> list[tuple[str, str]]:
         label = TRAINING_LABELS.get(key, key.replace("_", " ").capitalize())
         if key == "wall_time_s":
             value = _format_duration(value)
+        elif key == "chat_template" and value is False:
+            value = "none (prompts as raw text: a base model)"
         elif key == "held_out_tau_by_step":
             value = ", ".join(f"step {step}: {float(tau):.2f}" for step, tau in value)
         rows.append((label, _cell(value)))
