@@ -256,6 +256,27 @@ def test_load_target_converts_once_then_reads_the_cache(
     assert torch.equal(model.lm_head.weight, tiny_model.lm_head.weight)
 
 
+def test_load_target_uses_a_conversion_another_process_finished_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model, tiny_tokenizer
+) -> None:
+    cache = tmp_path / "cache"
+    folder = cache / "smollm2-135m-instruct"
+    fake_gguf = tmp_path / "fake.gguf"
+    fake_gguf.write_bytes(b"GGUF")
+
+    def load_gguf_while_another_process_converts(path):
+        convert_and_cache(tiny_model, tiny_tokenizer, folder, source={"writer": "other"})
+        return tiny_model, tiny_tokenizer
+
+    monkeypatch.setattr(targets, "locate_gguf", lambda name, assemble_dir=None: fake_gguf)
+    monkeypatch.setattr(targets, "load_gguf", load_gguf_while_another_process_converts)
+    model, _ = load_target("smollm2-135m-instruct", cache_dir=cache)
+
+    assert json.loads((folder / targets.SOURCE_FILE).read_text()) == {"writer": "other"}
+    assert sorted(p.name for p in cache.iterdir()) == ["smollm2-135m-instruct"]  # no scratch left behind
+    assert torch.equal(model.lm_head.weight, tiny_model.lm_head.weight)
+
+
 def test_load_target_refuses_an_unfinished_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / "smollm2-135m-instruct").mkdir()
     monkeypatch.setattr(targets, "locate_gguf", lambda *args, **kwargs: pytest.fail("should not read the GGUF"))

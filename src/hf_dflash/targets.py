@@ -245,7 +245,12 @@ def converted_target_folder(name: str, cache_dir: str | os.PathLike | None = Non
             logger.warning(f"Converting {gguf_path.name} to safetensors in {folder} (once; this takes a while)")
             model, tokenizer = load_gguf(gguf_path)
             source = _provenance(spec, gguf_path)
-            convert_and_cache(drop_gguf_quantizer(model), tokenizer, folder, source=source)
+            try:
+                convert_and_cache(drop_gguf_quantizer(model), tokenizer, folder, source=source)
+            except FileExistsError:  # another process converted it while this one read the GGUF
+                if not _is_converted(folder):
+                    raise
+                logger.info(f"{folder} was converted by another process meanwhile; using it")
         del model, tokenizer
     return folder
 
