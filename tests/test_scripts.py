@@ -143,3 +143,23 @@ def test_target_adapter_is_saved_in_the_asked_dtype_naming_the_asked_base(tmp_pa
     for name, param in reloaded.named_parameters():
         if "lora_" in name:
             assert torch.equal(param.float(), expected[name].half().float())
+
+
+def test_swapped_records_keep_the_count_the_order_and_the_held_out_records_last():
+    """`swap_records.py`: the data-diversity ablation changes the sources, not the size or the held-out prompts."""
+    import json
+
+    swap = load_module(SCRIPTS / "swap_records.py").swap_records
+    records = [json.dumps({"id": f"sharegpt/{i}"}) for i in range(10)]
+    added = [json.dumps({"id": f"synthetic/{i}"}) for i in range(3)]
+
+    swapped = swap(records, added, holdout=2, seed=0)
+
+    assert len(swapped) == len(records) and swapped[-2:] == records[-2:] and swapped[-5:-2] == added
+    kept = swapped[:-5]
+    assert len(kept) == 5 and kept == sorted(kept, key=records.index)  # the records that stay keep their order
+    assert swapped == swap(records, added, holdout=2, seed=0) and kept != swap(records, added, 2, seed=1)[:-5]
+    with pytest.raises(ValueError, match="smaller --count"):
+        swap(records, added * 3, holdout=2, seed=0)
+    with pytest.raises(ValueError, match="another source"):
+        swap(records, records[:1], holdout=2, seed=0)
