@@ -3,6 +3,7 @@ the acceptance-length objective, distillation, and a drafter initialised from it
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -124,6 +125,29 @@ def test_a_drafter_from_a_llama_target_takes_its_deepest_layers():
     features = torch.randn(1, 5, 2 * 64)
     torch.testing.assert_close(draft.fc(features), features[..., 64:])
     assert "fc.weight" in copied and "layers.1.self_attn.q_norm.weight" not in copied
+
+
+def test_a_drafter_from_an_unmerged_lora_target_starts_from_the_fine_tune():
+    """The wrapped projections give their effective weight (base + delta), as the merged target would."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    tuned = get_peft_model(make_target("llama"), config)
+    merged = copy.deepcopy(tuned).merge_and_unload()
+    draft = make_draft(merged, num_hidden_layers=2, target_layer_ids=[0, 1])
+    copied = initialize_draft_from_target(draft, tuned)
+    for index, source in zip(range(2), decoder_layers(merged)[1:]):
+        ours = draft.layers[index]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            torch.testing.assert_close(getattr(ours.self_attn, name).weight, getattr(source.self_attn, name).weight)
+        torch.testing.assert_close(ours.mlp.down_proj.weight, source.mlp.down_proj.weight)
+    base_q = decoder_layers(make_target("llama"))[1].self_attn.q_proj.weight
+    assert not torch.allclose(draft.layers[0].self_attn.q_proj.weight, base_q)  # the adapter changed it
+    assert {"layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"} <= set(copied)
+
+    dora = get_peft_model(make_target("llama"), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="merge_and_unload"):
+        initialize_draft_from_target(make_draft(merged, num_hidden_layers=1), dora)
 
 
 def test_gemma_norms_land_as_their_effective_scale_and_the_pre_mlp_norm_by_role():

@@ -6,7 +6,8 @@ tapped layer's features, `hidden_norm` as the first copied layer's input norm (s
 what that target layer would compute from the same hidden states), and the final norm as the target's. Norms are
 copied by their effective scale (`norm(ones)`), so Gemma's `1 + weight` parametrisation lands as the right scale in
 the drafter's plain RMSNorm. What does not match (the target's activation, sandwich norms, biases) is left at the
-drafter's own initialisation, and logged.
+drafter's own initialisation, and logged. A target with an unmerged PEFT LoRA adapter (a fine-tune) gives each wrapped
+projection's effective weight (base plus the active adapters' delta), so the drafter starts from the fine-tune.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
 
 def _copy_layer(layer: nn.Module, source: nn.Module) -> list[str]:
     """Copy each parameter of a draft layer from the target layer's parameter of the same role; the copied names."""
-    source_params = dict(source.named_parameters())
+    source_params = _effective_parameters(source)
     copied = []
     for name, param in layer.named_parameters():
         for source_name in [name, *_ROLE_ALIASES.get(name, [])][::-1]:  # the alias first: it names the role
@@ -84,6 +85,42 @@ def _copy_layer(layer: nn.Module, source: nn.Module) -> list[str]:
                 copied.append(name)
                 break
     return copied
+
+
+def _effective_parameters(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """`layer`'s parameters by name; a PEFT-wrapped projection (`q_proj.base_layer`, `q_proj.lora_A`, ...) gives the
+    weight it computes with under the plain name (`q_proj.weight`), and its base bias."""
+    wrapped = {name: module for name, module in layer.named_modules() if hasattr(module, "base_layer")}
+    params = {
+        name: param
+        for name, param in layer.named_parameters()
+        if not any(name.startswith(f"{prefix}.") for prefix in wrapped)
+    }
+    for prefix, module in wrapped.items():
+        params[f"{prefix}.weight"] = _lora_effective_weight(module, prefix)
+        if getattr(module.base_layer, "bias", None) is not None:
+            params[f"{prefix}.bias"] = module.base_layer.bias
+    return params
+
+
+def _lora_effective_weight(module: nn.Module, name: str) -> torch.Tensor:
+    """A LoRA-wrapped linear layer's weight with its active, unmerged adapters' deltas added."""
+    from peft.tuners.lora import LoraLayer
+
+    active = list(getattr(module, "active_adapters", []))
+    if not isinstance(module, LoraLayer) or any(module.use_dora.get(adapter, False) for adapter in active):
+        raise ValueError(
+            f"draft_init='target' reads a PEFT adapter's weights through plain LoRA layers only, and the target's "
+            f"{name} is a {type(module).__name__}: merge the adapter into the target first (`merge_and_unload()`, "
+            "or `--merge_target_adapter`)."
+        )
+    weight = module.base_layer.weight
+    if module.merged or module.disable_adapters:  # merged: the base weight already holds the deltas
+        return weight
+    for adapter in active:
+        if adapter in module.lora_A:
+            weight = weight + module.get_delta_weight(adapter)
+    return weight
 
 
 def _copy_norm(norm: nn.Module, source: nn.Module | None) -> bool:
