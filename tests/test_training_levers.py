@@ -144,6 +144,10 @@ def test_a_drafter_from_an_unmerged_lora_target_starts_from_the_fine_tune():
     base_q = decoder_layers(make_target("llama"))[1].self_attn.q_proj.weight
     assert not torch.allclose(draft.layers[0].self_attn.q_proj.weight, base_q)  # the adapter changed it
     assert {"layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"} <= set(copied)
+    tuned.merge_adapter()  # merged in place, still wrapped: the base weight holds the delta, added once
+    again = make_draft(merged, num_hidden_layers=2, target_layer_ids=[0, 1])
+    initialize_draft_from_target(again, tuned)
+    torch.testing.assert_close(again.layers[0].self_attn.q_proj.weight, draft.layers[0].self_attn.q_proj.weight)
 
     dora = get_peft_model(make_target("llama"), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(ValueError, match="merge_and_unload"):

@@ -114,11 +114,11 @@ def _lora_effective_weight(module: nn.Module, name: str) -> torch.Tensor:
             f"{name} is a {type(module).__name__}: merge the adapter into the target first (`merge_and_unload()`, "
             "or `--merge_target_adapter`)."
         )
-    weight = module.base_layer.weight
-    if module.merged or module.disable_adapters:  # merged: the base weight already holds the deltas
+    weight = module.base_layer.weight  # holds the deltas of the adapters merged into it already
+    if module.disable_adapters:
         return weight
     for adapter in active:
-        if adapter in module.lora_A:
+        if adapter in module.lora_A and adapter not in module.merged_adapters:
             weight = weight + module.get_delta_weight(adapter)
     return weight
 
