@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -124,8 +125,6 @@ def test_a_failed_export_leaves_the_earlier_one_untouched(tmp_path):
 
 def test_target_adapter_is_saved_in_the_asked_dtype_naming_the_asked_base(tmp_path):
     """`finetune_target_lora.save_adapter`: what the committed telegram-style adapter's README did by hand."""
-    import json
-
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
 
@@ -147,8 +146,6 @@ def test_target_adapter_is_saved_in_the_asked_dtype_naming_the_asked_base(tmp_pa
 
 def test_swapped_records_keep_the_count_the_order_and_the_held_out_records_last():
     """`swap_records.py`: the data-diversity ablation changes the sources, not the size or the held-out prompts."""
-    import json
-
     swap = load_module(SCRIPTS / "swap_records.py").swap_records
     records = [json.dumps({"id": f"sharegpt/{i}"}) for i in range(10)]
     added = [json.dumps({"id": f"synthetic/{i}"}) for i in range(3)]

@@ -107,8 +107,7 @@ def _lora_effective_weight(module: nn.Module, name: str) -> torch.Tensor:
     """A LoRA-wrapped linear layer's weight with its active, unmerged adapters' deltas added."""
     from peft.tuners.lora import LoraLayer
 
-    active = list(getattr(module, "active_adapters", []))
-    if not isinstance(module, LoraLayer) or any(module.use_dora.get(adapter, False) for adapter in active):
+    if not isinstance(module, LoraLayer) or any(module.use_dora.get(a, False) for a in module.active_adapters):
         raise ValueError(
             f"draft_init='target' reads a PEFT adapter's weights through plain LoRA layers only, and the target's "
             f"{name} is a {type(module).__name__}: merge the adapter into the target first (`merge_and_unload()`, "
@@ -117,7 +116,7 @@ def _lora_effective_weight(module: nn.Module, name: str) -> torch.Tensor:
     weight = module.base_layer.weight  # holds the deltas of the adapters merged into it already
     if module.disable_adapters:
         return weight
-    for adapter in active:
+    for adapter in module.active_adapters:
         if adapter in module.lora_A and adapter not in module.merged_adapters:
             weight = weight + module.get_delta_weight(adapter)
     return weight
