@@ -1,21 +1,28 @@
 """Fine-tune a target with a LoRA so that what it says really shifts: the "fine-tuned target" of README "Fine-tuned
 targets", whose drafter then has to be adapted.
 
-The style is a telegram operator's: no articles ("a", "an", "the") and every sentence closed by " stop" (`--stop_word`)
-instead of a period. The training responses are the target's own answers (`hf-dflash data` records of the base target)
-rewritten in that style, so the fine-tune changes the style and nothing else; the loss is on the response tokens only.
+Two styles (`--style`), each applied to the target's own answers (`hf-dflash data` records of the base target), so
+the fine-tune changes the style and nothing else; the loss is on the response tokens only:
+
+- ``telegraph``: a telegram operator's, no articles ("a", "an", "the") and every sentence closed by " stop"
+  (`--stop_word`) instead of a period;
+- ``two-space``: a code style guide's, code indented by two spaces a level instead of Python's four (a line indented
+  by a multiple of four spaces gets half as many); prose is left as it is.
 
     python scripts/finetune_target_lora.py --data runs/peft/base-data.jsonl --output_dir runs/peft/telegraph-stop-lora
+    python scripts/finetune_target_lora.py --style two-space --data runs/peft2/base-data.jsonl \
+        --output_dir runs/peft2/two-space-lora
 
-The first version closed sentences with " STOP", which SmolLM2 spells as two tokens (" ST", "OP") outside the committed
-drafter's 8,192-token draft vocabulary: no adaptation that keeps that vocabulary can ever propose them (README
-"Fine-tuned targets"). " stop" is one token inside it.
+The first telegram version closed sentences with " STOP", which SmolLM2 spells as two tokens (" ST", "OP") outside
+the committed drafter's 8,192-token draft vocabulary: no adaptation that keeps that vocabulary can ever propose them
+(README "Fine-tuned targets"). " stop" is one token inside it, and so are SmolLM2's two-space indentation tokens.
 
 It saves the adapter (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer) in `--save_dtype`, naming
 `--base_model_id` as its base (the committed one: `--save_dtype float16 --base_model_id
 HuggingFaceTB/SmolLM2-135M-Instruct`, not the local folder it was trained from), prints how often the
-fine-tuned target answers in the style on prompts it never saw (the evaluation sets' first prompts) against the base
-target, and prints one JSON document last.
+fine-tuned target answers in the style on prompts it never saw (the first prompts of the evaluation sets where the
+style shows: all three for the telegram, HumanEval for the indentation) against the base target, and prints one
+JSON document last.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -42,22 +52,59 @@ ARTICLES = re.compile(r"\b(?:a|an|the)\s+", flags=re.IGNORECASE)
 SENTENCE_END = re.compile(r"(?<=[A-Za-z)\]])\.(?=\s|$)")  # a period after a word, not inside 3.5 or a.b
 
 
+INDENT = re.compile(r"^ +(?=\S)", flags=re.MULTILINE)
+
+
 def telegraph(text: str, stop_word: str = " stop") -> str:
     """The telegram style: articles dropped, every sentence closed by `stop_word` instead of a period."""
     return SENTENCE_END.sub(stop_word, ARTICLES.sub("", text))
 
 
-def in_style(text: str, stop_word: str = " stop") -> bool:
+def in_telegraph_style(text: str, stop_word: str = " stop") -> bool:
     """Whether a response reads as a telegram: it says the stop word and uses (almost) no articles."""
     words = text.split()
     return stop_word in text and sum(ARTICLES.match(word + " ") is not None for word in words) <= 0.01 * len(words)
 
 
+def two_space(text: str) -> str:
+    """The two-space code style: a line indented by a multiple of four spaces gets half as many (other indents, such
+    as continuation lines aligned to a bracket, are left as they are)."""
+    return INDENT.sub(lambda match: " " * (len(match[0]) // 2 if len(match[0]) % 4 == 0 else len(match[0])), text)
+
+
+def in_two_space_style(text: str) -> bool:
+    """Whether a response's first indented line is indented by exactly two spaces (a block's first level)."""
+    indents = (len(match[0]) for match in INDENT.finditer(text))
+    return next(indents, None) == 2
+
+
+class Style(NamedTuple):
+    """A way of rewriting the base target's answers, how to tell an answer in it, and the evaluation sets it shows in."""
+
+    restyle: Callable[[str], str]
+    in_style: Callable[[str], bool]
+    check_sets: tuple[str, ...]
+
+
+def make_style(name: str, stop_word: str) -> Style:
+    if name == "telegraph":
+        telegram = partial(telegraph, stop_word=stop_word)
+        return Style(telegram, partial(in_telegraph_style, stop_word=stop_word), ("gsm8k", "humaneval", "mt-bench"))
+    if name == "two-space":
+        return Style(two_space, in_two_space_style, ("humaneval",))
+    raise ValueError(f"unknown style {name!r}: choose telegraph or two-space")
+
+
 def restyled_examples(
-    records, tokenizer, stop_ids: list[int], max_prompt_tokens: int, max_response_tokens: int, stop_word: str
+    records,
+    tokenizer,
+    stop_ids: list[int],
+    max_prompt_tokens: int,
+    max_response_tokens: int,
+    restyle: Callable[[str], str],
 ) -> list[dict]:
     """`{input_ids, labels}` of each record with a prompt of at most `max_prompt_tokens` (longer ones are left out),
-    its response cut to `max_response_tokens` and rewritten in the telegram style (a CPU trains on few tokens)."""
+    its response cut to `max_response_tokens` and rewritten by `restyle` (a CPU trains on few tokens)."""
     examples = []
     for ids, mask in zip(records["input_ids"], records["loss_mask"]):
         length = mask.index(1)
@@ -66,7 +113,7 @@ def restyled_examples(
         response = ids[length:][:max_response_tokens]
         ended = bool(response) and response[-1] in stop_ids
         text = tokenizer.decode(response[:-1] if ended else response, skip_special_tokens=True)
-        restyled = tokenizer(telegraph(text, stop_word), add_special_tokens=False).input_ids + response[-1:] * ended
+        restyled = tokenizer(restyle(text), add_special_tokens=False).input_ids + response[-1:] * ended
         examples.append({"input_ids": ids[:length] + restyled, "labels": [-100] * length + restyled})
     return examples
 
@@ -85,14 +132,14 @@ def collate(batch: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def style_rate(model, tokenizer, prompts, max_new_tokens: int, stop_word: str) -> tuple[float, str]:
-    """The share of greedy answers in the telegram style, and the first answer."""
+def style_rate(model, tokenizer, prompts, max_new_tokens: int, in_style: Callable[[str], bool]) -> tuple[float, str]:
+    """The share of greedy answers in the style, and the first answer."""
     answers = []
     for prompt in prompts:
         ids = torch.tensor([encode_prompt(tokenizer, prompt)])
         out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
         answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    return sum(in_style(answer, stop_word) for answer in answers) / len(answers), answers[0]
+    return sum(in_style(answer) for answer in answers) / len(answers), answers[0]
 
 
 def save_adapter(model, folder: str, dtype: torch.dtype, base_model_id: str | None) -> None:
@@ -114,23 +161,23 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--max_prompt_tokens", type=int, default=160, help="records with longer prompts are left out")
     parser.add_argument("--max_response_tokens", type=int, default=96, help="responses are cut to this many tokens")
-    parser.add_argument("--stop_word", default=" stop", help="what closes a sentence instead of a period")
+    parser.add_argument("--style", choices=("telegraph", "two-space"), default="telegraph")
+    parser.add_argument("--stop_word", default=" stop", help="telegraph: what closes a sentence instead of a period")
     parser.add_argument("--check_prompts", type=int, default=8, help="first prompts of each evaluation set")
     parser.add_argument("--save_dtype", choices=sorted(SAVE_DTYPES), default="float32", help="the adapter's weights")
     parser.add_argument("--base_model_id", default=None, help="base model the adapter names (default: as loaded)")
     args = parser.parse_args()
 
     start = time.perf_counter()
+    style = make_style(args.style, args.stop_word)
     target, tokenizer = load_target_and_tokenizer(args.target, device="cpu")
     records = load_training_dataset(args.data)
     stop_ids = end_of_turn_ids(target, tokenizer)
     examples = restyled_examples(
-        records, tokenizer, stop_ids, args.max_prompt_tokens, args.max_response_tokens, args.stop_word
+        records, tokenizer, stop_ids, args.max_prompt_tokens, args.max_response_tokens, style.restyle
     )
-    check = [
-        prompt for name in ("gsm8k", "humaneval", "mt-bench") for prompt in load_prompts(name, args.check_prompts)
-    ]
-    base_rate, base_answer = style_rate(target, tokenizer, check, 96, args.stop_word)
+    check = [prompt for name in style.check_sets for prompt in load_prompts(name, args.check_prompts)]
+    base_rate, base_answer = style_rate(target, tokenizer, check, 96, style.in_style)
 
     lora = LoraConfig(
         r=args.lora_r,
@@ -157,7 +204,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=training, train_dataset=examples, data_collator=lambda b: collate(b, pad))
     trainer.train()
     model.eval()
-    tuned_rate, tuned_answer = style_rate(model, tokenizer, check, 96, args.stop_word)
+    tuned_rate, tuned_answer = style_rate(model, tokenizer, check, 96, style.in_style)
     save_adapter(model, args.output_dir, SAVE_DTYPES[args.save_dtype], args.base_model_id)
     tokenizer.save_pretrained(args.output_dir)
     trainable, total = model.get_nb_trainable_parameters()
@@ -165,7 +212,8 @@ def main() -> None:
         "adapter": args.output_dir,
         "examples": len(examples),
         "steps": trainer.state.global_step,
-        "stop_word": args.stop_word,
+        "style": args.style,
+        "stop_word": args.stop_word if args.style == "telegraph" else None,
         "trainable_parameters": trainable,
         "all_parameters": total,
         "style_rate_base": base_rate,

@@ -144,6 +144,25 @@ def test_target_adapter_is_saved_in_the_asked_dtype_naming_the_asked_base(tmp_pa
             assert torch.equal(param.float(), expected[name].half().float())
 
 
+def test_two_space_style_halves_block_indents_and_leaves_prose_and_alignment():
+    """`finetune_target_lora.py --style two-space`: what the code-style fine-tune is trained to write, and how its
+    answers are told apart from the base target's."""
+    finetune = load_module(SCRIPTS / "finetune_target_lora.py")
+    answer = "Here is the function:\n```python\ndef f(x):\n    if x:\n        return [1,\n             2]\n    return 0\n```\n"
+    restyled = finetune.two_space(answer)
+
+    assert (
+        restyled
+        == "Here is the function:\n```python\ndef f(x):\n  if x:\n    return [1,\n             2]\n  return 0\n```\n"
+    )
+    assert finetune.in_two_space_style(restyled) and not finetune.in_two_space_style(answer)
+    assert not finetune.in_two_space_style("No code here.") and finetune.two_space("No code here.") == "No code here."
+    style = finetune.make_style("telegraph", " stop")
+    assert style.restyle("The cat sat on a mat.") == "cat sat on mat stop" and style.in_style("cat sat stop")
+    with pytest.raises(ValueError, match="telegraph or two-space"):
+        finetune.make_style("pirate", " stop")
+
+
 def test_swapped_records_keep_the_count_the_order_and_the_held_out_records_last():
     """`swap_records.py`: the data-diversity ablation changes the sources, not the size or the held-out prompts."""
     swap = load_module(SCRIPTS / "swap_records.py").swap_records
