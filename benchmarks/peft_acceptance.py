@@ -13,7 +13,8 @@ and prints one JSON document last: tau per pair and prompt set, with the conditi
 A pair is `TARGET:NAME:DRAFTER`, TARGET `base` or `tuned` (the target with `--target_adapter` merged), DRAFTER a
 drafter folder or a drafter adapter folder (`hf_dflash.loading.load_draft` reads both). `--datasets humaneval:40`
 takes a set's first 40 prompts instead of `--limit`; `--reuse REPORT ...` reads the pairs earlier reports measured
-under the same conditions instead of running them again (greedy whole-block tau is deterministic).
+under the same conditions instead of running them again (greedy whole-block tau is deterministic; pairs on the
+base target also from a report on another `--target_adapter`).
 `--card_acceptance lora=runs/card.json` also writes the `lora` pair's tau per set for
 `hf-dflash card DIR --acceptance_json runs/card.json` (the drafter's card).
 
@@ -125,16 +126,18 @@ def card_acceptance(results: list[dict], name: str, conditions: dict, report: st
 
 def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str, str], dict]:
     """Results of earlier reports, keyed by (target, drafter name, drafter path), when they were measured under the
-    same conditions: greedy whole-block tau is deterministic, so the reference pairs need not run again."""
+    same conditions: greedy whole-block tau is deterministic, so the reference pairs need not run again. Pairs on the
+    base target are read from a report of another fine-tune too (the adapter plays no part in them)."""
     results = {}
     for path in paths:
         report = json.loads(Path(path).read_text())
-        keys = ("target", "target_adapter", "prompts", "max_new_tokens", "verify")
+        keys = ("target", "prompts", "max_new_tokens", "verify")
         differing = [key for key in keys if report["conditions"].get(key) != conditions[key]]
         if differing:
             raise SystemExit(f"--reuse {path}: measured with other {', '.join(differing)}; rerun its pairs instead.")
+        same_adapter = report["conditions"].get("target_adapter") == conditions["target_adapter"]
         for result in report["results"]:
-            if "acceptance" in result:
+            if "acceptance" in result and (same_adapter or result["target"] == "base"):
                 key = (result["target"], result["drafter"], result["path"])
                 results[key] = {name: value for name, value in result.items() if name != "share_of_loss_recovered"}
                 results[key]["reused_from"] = result.get("reused_from", path)

@@ -304,6 +304,14 @@ def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions(tm
     with pytest.raises(SystemExit, match="other prompts, max_new_tokens; rerun"):
         script.reusable_results([str(report)], conditions | {"prompts": {"gsm8k": 3}, "max_new_tokens": 9})
 
+    # Another fine-tune: the base target's pairs still hold, the fine-tuned target's do not.
+    tuned = measured | {"target": "tuned", "drafter": "lora"}
+    report.write_text(json.dumps({"conditions": conditions, "results": [measured, tuned]}))
+    assert script.reusable_results([str(report)], conditions | {"target_adapter": "b"}) == {
+        ("base", "base", "d"): measured | {"reused_from": str(report)}
+    }
+    assert len(script.reusable_results([str(report)], conditions)) == 2
+
 
 def test_peft_acceptance_writes_a_pairs_acceptance_for_its_card():
     """`--card_acceptance`: the adapted pair's tau per set, with the base drafter's tau and the share of the loss won
