@@ -22,6 +22,8 @@ When the pairs include `base:base:D` and `tuned:base:D` (the base drafter on bot
 gets `share_of_loss_recovered` per set: `(tau - tau_tuned_base) / (tau_base_base - tau_tuned_base)`, null where the
 fine-tune costs the base drafter no tau, with a 90% interval from a paired bootstrap over the prompts (the same
 resampled prompts for the three pairs), because a share of a loss of 0.1 tau measured on 16 prompts is noisy.
+`fine_tune_cost` gives the loss itself per set with its 90% interval: where the interval holds zero, the prompts do
+not resolve a loss and no share of it means anything.
 """
 
 from __future__ import annotations
@@ -61,6 +63,26 @@ def acceptance_by_dataset(target, tokenizer, draft, prompts: dict, max_new_token
     return results
 
 
+def set_tau(run: dict, indices: list[int]) -> float:
+    """Tau of one prompt set's `acceptance_by_dataset` entry over the prompts `indices` (repeats count twice)."""
+    return sum(run["committed"][i] for i in indices) / sum(run["rounds"][i] for i in indices)
+
+
+def resampled(statistic, prompts: int, samples: int, seed: int) -> list[float]:
+    """`statistic(indices)` over `samples` resamples of the prompts with replacement, sorted; resamples where it is
+    None are left out."""
+    rng = random.Random(seed)
+    indices = list(range(prompts))
+    return sorted(s for _ in range(samples) if (s := statistic(rng.choices(indices, k=prompts))) is not None)
+
+
+def interval_90(values: list[float], digits: int) -> list[float] | None:
+    """The 5th and 95th percentiles of sorted `values`, rounded to `digits` (None when there are none)."""
+    if not values:
+        return None
+    return [round(values[int(0.05 * len(values))], digits), round(values[int(0.95 * len(values)) - 1], digits)]
+
+
 def share_of_loss_recovered(
     base_base: dict, tuned_base: dict, tuned_new: dict, samples: int = 2000, seed: int = 0
 ) -> dict | None:
@@ -70,22 +92,30 @@ def share_of_loss_recovered(
     how many of `samples` are left."""
 
     def share(indices: list[int]) -> float | None:
-        base, tuned, new = (
-            sum(run["committed"][i] for i in indices) / sum(run["rounds"][i] for i in indices)
-            for run in (base_base, tuned_base, tuned_new)
-        )
+        base, tuned, new = (set_tau(run, indices) for run in (base_base, tuned_base, tuned_new))
         return (new - tuned) / (base - tuned) if base > tuned else None
 
-    prompts = list(range(len(base_base["committed"])))
-    point = share(prompts)
+    point = share(list(range(len(base_base["committed"]))))
     if point is None:
         return None
-    rng = random.Random(seed)
-    resampled = sorted(s for _ in range(samples) if (s := share(rng.choices(prompts, k=len(prompts)))) is not None)
-    if not resampled:  # the loss rests on too few prompts for any resample to keep it
-        return {"share": round(point, 2), "interval_90": None, "resamples": 0}
-    low, high = resampled[int(0.05 * len(resampled))], resampled[int(0.95 * len(resampled)) - 1]
-    return {"share": round(point, 2), "interval_90": [round(low, 2), round(high, 2)], "resamples": len(resampled)}
+    values = resampled(share, len(base_base["committed"]), samples, seed)
+    # interval None: the loss rests on too few prompts for any resample to keep it
+    return {"share": round(point, 2), "interval_90": interval_90(values, 2), "resamples": len(values)}
+
+
+def fine_tune_cost(base_base: dict, tuned_base: dict, samples: int = 2000, seed: int = 0) -> dict:
+    """What the fine-tune costs the base drafter on one prompt set, `tau_base_base - tau_tuned_base`, with a 90%
+    paired-bootstrap interval over prompts: an interval that holds zero is a loss these prompts do not resolve, and
+    no share of it can be judged."""
+
+    def cost(indices: list[int]) -> float:
+        return set_tau(base_base, indices) - set_tau(tuned_base, indices)
+
+    point = cost(list(range(len(base_base["committed"]))))
+    return {
+        "cost": round(point, 3),
+        "interval_90": interval_90(resampled(cost, len(base_base["committed"]), samples, seed), 3),
+    }
 
 
 def add_shares(results: list[dict]) -> None:
@@ -100,6 +130,14 @@ def add_shares(results: list[dict]) -> None:
                 name: share_of_loss_recovered(by_key["base", "base"][name], by_key["tuned", "base"][name], runs)
                 for name, runs in result["acceptance"].items()
             }
+
+
+def fine_tune_costs(results: list[dict]) -> dict[str, dict] | None:
+    """Per prompt set, `fine_tune_cost` of the base drafter, when the run measured it on both targets."""
+    by_key = {(r["target"], r["drafter"]): r["acceptance"] for r in results}
+    if ("base", "base") not in by_key or ("tuned", "base") not in by_key:
+        return None
+    return {name: fine_tune_cost(runs, by_key["tuned", "base"][name]) for name, runs in by_key["base", "base"].items()}
 
 
 def card_acceptance(results: list[dict], name: str, conditions: dict, report: str) -> dict:
@@ -200,7 +238,7 @@ def main() -> None:
         results.append({"target": which, "drafter": name, "path": drafter, "tau": taus, "acceptance": acceptance})
         print(f"{which} target, {name} drafter: {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
     add_shares(results)
-    report = {"conditions": conditions, "results": results}
+    report = {"conditions": conditions, "fine_tune_cost": fine_tune_costs(results), "results": results}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
     if args.card_acceptance:

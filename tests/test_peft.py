@@ -289,6 +289,28 @@ def test_share_of_loss_recovered_is_the_tau_ratio_with_a_paired_bootstrap_interv
     assert script.share_of_loss_recovered(runs([3], [2]), runs([3], [2]), runs([4], [2])) is None
 
 
+def test_fine_tune_cost_is_the_base_drafters_tau_lost_with_a_paired_bootstrap_interval():
+    """`fine_tune_cost`: whether the prompts resolve a loss at all, before any share of it is judged."""
+    script = _peft_acceptance_script()
+    runs = lambda committed, rounds: {"committed": committed, "rounds": rounds}  # noqa: E731
+    # tau 2.0 on the base target and 1.5 after the fine-tune on both prompts: a 0.5 loss every resample keeps.
+    assert script.fine_tune_cost(runs([4, 4], [2, 2]), runs([3, 3], [2, 2])) == {
+        "cost": 0.5,
+        "interval_90": [0.5, 0.5],
+    }
+    # Prompt 0 loses 0.5, prompt 1 gains 0.5: no loss overall, and an interval from -0.5 to 0.5 that holds zero.
+    assert script.fine_tune_cost(runs([4, 2], [2, 2]), runs([3, 3], [2, 2])) == {
+        "cost": 0.0,
+        "interval_90": [-0.5, 0.5],
+    }
+    results = [
+        {"target": "base", "drafter": "base", "acceptance": {"gsm8k": runs([4, 4], [2, 2])}},
+        {"target": "tuned", "drafter": "base", "acceptance": {"gsm8k": runs([3, 3], [2, 2])}},
+    ]
+    assert script.fine_tune_costs(results) == {"gsm8k": {"cost": 0.5, "interval_90": [0.5, 0.5]}}
+    assert script.fine_tune_costs(results[:1]) is None
+
+
 def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions(tmp_path):
     import json
 
