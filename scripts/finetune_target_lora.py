@@ -50,9 +50,7 @@ from hf_dflash.prompts import load_prompts  # noqa: E402
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ARTICLES = re.compile(r"\b(?:a|an|the)\s+", flags=re.IGNORECASE)
 SENTENCE_END = re.compile(r"(?<=[A-Za-z)\]])\.(?=\s|$)")  # a period after a word, not inside 3.5 or a.b
-
-
-INDENT = re.compile(r"^ +(?=\S)", flags=re.MULTILINE)
+INDENT = re.compile(r"^ +(?=\S)", flags=re.MULTILINE)  # the spaces that start a line with something on it
 
 
 def telegraph(text: str, stop_word: str = " stop") -> str:
@@ -87,6 +85,7 @@ class Style(NamedTuple):
 
 
 def make_style(name: str, stop_word: str) -> Style:
+    """The `--style` called `name`; `stop_word` is the telegram's."""
     if name == "telegraph":
         telegram = partial(telegraph, stop_word=stop_word)
         return Style(telegram, partial(in_telegraph_style, stop_word=stop_word), ("gsm8k", "humaneval", "mt-bench"))
