@@ -164,9 +164,11 @@ def save_plot(report: dict, path: Path) -> None:
     figure = Figure(figsize=(8, 5), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots()
-    for name, row in report["variants"].items():
+    for index, (name, row) in enumerate(report["variants"].items()):
         curve = row["held_out_curve"]
-        axes.plot([x for x, _ in curve], [y for _, y in curve], marker="o", label=name)
+        # Ten colours cycle; seven markers beside them keep the first seventy variants apart.
+        marker = "osD^vP*"[index % 7]
+        axes.plot([x for x, _ in curve], [y for _, y in curve], marker=marker, label=name)
     axes.set_xlabel("CPU-minutes of the optimizer steps")
     axes.set_ylabel(f"real tau, {report['conditions']['holdout']} held-out prompts (whole block)")
     axes.legend(fontsize=8)
