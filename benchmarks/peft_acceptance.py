@@ -118,26 +118,34 @@ def fine_tune_cost(base_base: dict, tuned_base: dict, samples: int = 2000, seed:
     }
 
 
+def base_drafter_runs(results: list[dict]) -> tuple[dict, dict] | None:
+    """The base drafter's acceptance on the base target and on the fine-tuned one, when the run measured both."""
+    by_key = {(r["target"], r["drafter"]): r["acceptance"] for r in results}
+    if ("base", "base") not in by_key or ("tuned", "base") not in by_key:
+        return None
+    return by_key["base", "base"], by_key["tuned", "base"]
+
+
 def add_shares(results: list[dict]) -> None:
     """Give every tuned pair other than the base drafter its `share_of_loss_recovered`, when the run measured the
     base drafter on both targets."""
-    by_key = {(r["target"], r["drafter"]): r["acceptance"] for r in results}
-    if ("base", "base") not in by_key or ("tuned", "base") not in by_key:
+    if (base := base_drafter_runs(results)) is None:
         return
+    base_base, tuned_base = base
     for result in results:
         if result["target"] == "tuned" and result["drafter"] != "base":
             result["share_of_loss_recovered"] = {
-                name: share_of_loss_recovered(by_key["base", "base"][name], by_key["tuned", "base"][name], runs)
+                name: share_of_loss_recovered(base_base[name], tuned_base[name], runs)
                 for name, runs in result["acceptance"].items()
             }
 
 
 def fine_tune_costs(results: list[dict]) -> dict[str, dict] | None:
     """Per prompt set, `fine_tune_cost` of the base drafter, when the run measured it on both targets."""
-    by_key = {(r["target"], r["drafter"]): r["acceptance"] for r in results}
-    if ("base", "base") not in by_key or ("tuned", "base") not in by_key:
+    if (base := base_drafter_runs(results)) is None:
         return None
-    return {name: fine_tune_cost(runs, by_key["tuned", "base"][name]) for name, runs in by_key["base", "base"].items()}
+    base_base, tuned_base = base
+    return {name: fine_tune_cost(runs, tuned_base[name]) for name, runs in base_base.items()}
 
 
 def card_acceptance(results: list[dict], name: str, conditions: dict, report: str) -> dict:
