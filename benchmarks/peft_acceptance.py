@@ -108,14 +108,19 @@ def fine_tune_cost(base_base: dict, tuned_base: dict, samples: int = 2000, seed:
     paired-bootstrap interval over prompts: an interval that holds zero is a loss these prompts do not resolve, and
     no share of it can be judged."""
 
-    def cost(indices: list[int]) -> float:
-        return set_tau(base_base, indices) - set_tau(tuned_base, indices)
+    point, interval = tau_difference(base_base, tuned_base, samples, seed)
+    return {"cost": point, "interval_90": interval}
 
-    point = cost(list(range(len(base_base["committed"]))))
-    return {
-        "cost": round(point, 3),
-        "interval_90": interval_90(resampled(cost, len(base_base["committed"]), samples, seed), 3),
-    }
+
+def tau_difference(first: dict, second: dict, samples: int = 2000, seed: int = 0) -> tuple[float, list[float] | None]:
+    """`tau_first - tau_second` of one prompt set (each argument that set's `acceptance_by_dataset` entry, on the same
+    prompts), and its 90% paired-bootstrap interval over the prompts, both to 3 digits."""
+
+    def difference(indices: list[int]) -> float:
+        return set_tau(first, indices) - set_tau(second, indices)
+
+    point = difference(list(range(len(first["committed"]))))
+    return round(point, 3), interval_90(resampled(difference, len(first["committed"]), samples, seed), 3)
 
 
 def base_drafter_runs(results: list[dict]) -> tuple[dict, dict] | None:

@@ -179,3 +179,34 @@ def test_swapped_records_keep_the_count_the_order_and_the_held_out_records_last(
         swap(records, added * 3, holdout=2, seed=0)
     with pytest.raises(ValueError, match="another source"):
         swap(records, records[:1], holdout=2, seed=0)
+
+
+def test_compare_drafters_gives_each_sets_gain_a_paired_interval_and_a_verdict_that_can_fail(tmp_path):
+    compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "compare_drafters.py")
+    runs = lambda committed, rounds: {"committed": committed, "rounds": rounds}  # noqa: E731
+    current = {"gsm8k": runs([4, 4], [2, 2]), "humaneval": runs([30, 30], [20, 20])}
+    # GSM8K: tau 2.0 -> 2.5 on both prompts. HumanEval: prompt 0 gains 0.5, prompt 1 loses 0.5: 1.5 either way.
+    candidate = {"gsm8k": runs([5, 5], [2, 2]), "humaneval": runs([40, 20], [20, 20])}
+    gains = compare.gains(current, candidate)
+    assert gains == {
+        "gsm8k": {"gain": 0.5, "interval_90": [0.5, 0.5]},
+        "humaneval": {"gain": 0.0, "interval_90": [-0.5, 0.5]},
+    }
+    assert compare.verdict(gains) == {"better_on_every_set": False, "resolved_on_every_set": False}
+    assert compare.verdict({"gsm8k": gains["gsm8k"]}) == {"better_on_every_set": True, "resolved_on_every_set": True}
+    # A gain on every set whose interval holds zero is better but not resolved.
+    wobbly = {"humaneval": {"gain": 0.1, "interval_90": [-0.05, 0.2]}}
+    assert compare.verdict(wobbly) == {"better_on_every_set": True, "resolved_on_every_set": False}
+
+
+def test_compare_drafters_reuses_the_current_drafter_only_under_the_same_conditions(tmp_path):
+    compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "compare_drafters.py")
+    conditions = {"target": "t", "prompts": {"gsm8k": 2}, "max_new_tokens": 8, "verify": "v"}
+    acceptance = {"gsm8k": {"tau": 2.0, "committed": [4, 4], "rounds": [2, 2]}}
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"conditions": conditions, "current": {"path": "d", "acceptance": acceptance}}))
+
+    assert compare.reused_current(None, "d", conditions) is None
+    assert compare.reused_current(str(report), "d", conditions) == acceptance
+    with pytest.raises(SystemExit, match="another max_new_tokens, current drafter; drop --reuse"):
+        compare.reused_current(str(report), "other", conditions | {"max_new_tokens": 9})

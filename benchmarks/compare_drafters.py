@@ -1,0 +1,130 @@
+"""Two drafters of one target on the same prompts: which one the target accepts more of. The check before a committed
+drafter is replaced (it is replaced only if the candidate measures better on every prompt set).
+
+For each drafter it runs greedy `speculative_generate` verifying the whole block every round (tau is the drafter's
+acceptance, free of the round planner and of timing, so the two need not run at the same time) on the first prompts
+of GSM8K, HumanEval and MT-Bench, and prints one JSON document last: each drafter's tau per set, the candidate's gain
+with a 90% interval from a paired bootstrap over the prompts, and whether it gains on every set.
+
+    python benchmarks/compare_drafters.py --current drafters/smollm2-135m-instruct --candidate runs/smollm2-s3 \
+        --datasets gsm8k:50 humaneval:50 mt-bench:50 --max_new_tokens 128 --output runs/compare.json
+
+`better_on_every_set` compares the measured taus; `resolved_on_every_set` asks more, a gain whose whole interval lies
+above zero on every set. `--reuse REPORT` reads the current drafter's runs from an earlier report measured the same
+way (greedy whole-block tau is deterministic), so a second candidate costs one drafter's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peft_acceptance import DATASETS, acceptance_by_dataset, tau_difference  # noqa: E402
+
+from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
+from hf_dflash.prompts import load_prompts, split_set_limit  # noqa: E402
+
+
+def gains(current: dict[str, dict], candidate: dict[str, dict]) -> dict[str, dict]:
+    """Per prompt set, the candidate's tau minus the current drafter's, with its 90% paired-bootstrap interval (each
+    argument `acceptance_by_dataset`'s result on the same prompts)."""
+    result = {}
+    for name, runs in candidate.items():
+        gain, interval = tau_difference(runs, current[name])
+        result[name] = {"gain": gain, "interval_90": interval}
+    return result
+
+
+def verdict(set_gains: dict[str, dict]) -> dict[str, bool]:
+    """Whether the candidate gains on every set (`better_on_every_set`), and whether every gain's 90% interval lies
+    above zero (`resolved_on_every_set`)."""
+    return {
+        "better_on_every_set": all(gain["gain"] > 0 for gain in set_gains.values()),
+        "resolved_on_every_set": all(
+            gain["interval_90"] is not None and gain["interval_90"][0] > 0 for gain in set_gains.values()
+        ),
+    }
+
+
+def reused_current(path: str | None, drafter: str, conditions: dict) -> dict | None:
+    """The current drafter's runs from an earlier report of this script, when it measured that drafter under the same
+    conditions; None without `--reuse`."""
+    if path is None:
+        return None
+    report = json.loads(Path(path).read_text())
+    keys = ("target", "prompts", "max_new_tokens", "verify")
+    differing = [key for key in keys if report["conditions"].get(key) != conditions[key]]
+    if report["current"]["path"] != drafter:
+        differing.append("current drafter")
+    if differing:
+        raise SystemExit(f"--reuse {path}: measured with another {', '.join(differing)}; drop --reuse to rerun it.")
+    return report["current"]["acceptance"]
+
+
+def measure(target, tokenizer, drafter: str, prompts: dict, max_new_tokens: int) -> dict:
+    """One drafter's `acceptance_by_dataset`, timed and printed."""
+    start = time.perf_counter()
+    acceptance = acceptance_by_dataset(target, tokenizer, load_draft(drafter, target), prompts, max_new_tokens)
+    taus = {name: runs["tau"] for name, runs in acceptance.items()}
+    print(f"{drafter}: tau {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return acceptance
+
+
+def drafter_entry(path: str, acceptance: dict) -> dict:
+    """A drafter's part of the report: where it is, its tau per set and its runs per prompt."""
+    return {"path": path, "tau": {name: runs["tau"] for name, runs in acceptance.items()}, "acceptance": acceptance}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--current", required=True, help="the committed drafter (a folder or Hub id)")
+    parser.add_argument("--candidate", required=True, help="the drafter that would replace it")
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), help="NAME or NAME:N (its first N prompts)")
+    parser.add_argument("--limit", type=int, default=10, help="first prompts of each set without :N")
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--reuse", default=None, help="an earlier report: its current drafter's runs are read")
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+
+    prompts = {
+        name: load_prompts(name, count) for name, count in (split_set_limit(d, args.limit) for d in args.datasets)
+    }
+    conditions = {
+        "target": args.target,
+        "prompts": {name: len(items) for name, items in prompts.items()},
+        "max_new_tokens": args.max_new_tokens,
+        "verify": "whole block every round (speculative_generate, no verify_costs), greedy",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+        "command": " ".join(sys.argv),
+    }
+    target, tokenizer = load_target_and_tokenizer(args.target, device="cpu")
+    current = reused_current(args.reuse, args.current, conditions)
+    if current is None:
+        current = measure(target, tokenizer, args.current, prompts, args.max_new_tokens)
+    candidate = measure(target, tokenizer, args.candidate, prompts, args.max_new_tokens)
+    set_gains = gains(current, candidate)
+    report = {
+        "conditions": conditions,
+        "current": drafter_entry(args.current, current),
+        "candidate": drafter_entry(args.candidate, candidate),
+        "gain": set_gains,
+        **verdict(set_gains),
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
