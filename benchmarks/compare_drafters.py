@@ -29,7 +29,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peft_acceptance import DATASETS, acceptance_by_dataset, tau_difference  # noqa: E402
+from peft_acceptance import (  # noqa: E402
+    DATASETS,
+    WHOLE_BLOCK_GREEDY,
+    acceptance_by_dataset,
+    differing_conditions,
+    tau_difference,
+    taus,
+)
 
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
 from hf_dflash.prompts import load_prompts, split_set_limit  # noqa: E402
@@ -62,8 +69,7 @@ def reused_current(path: str | None, drafter: str, conditions: dict) -> dict | N
     if path is None:
         return None
     report = json.loads(Path(path).read_text())
-    keys = ("target", "prompts", "max_new_tokens", "verify")
-    differing = [key for key in keys if report["conditions"].get(key) != conditions[key]]
+    differing = differing_conditions(report["conditions"], conditions)
     if report["current"]["path"] != drafter:
         differing.append("current drafter")
     if differing:
@@ -75,14 +81,13 @@ def measure(target, tokenizer, drafter: str, prompts: dict, max_new_tokens: int)
     """One drafter's `acceptance_by_dataset`, timed and printed."""
     start = time.perf_counter()
     acceptance = acceptance_by_dataset(target, tokenizer, load_draft(drafter, target), prompts, max_new_tokens)
-    taus = {name: runs["tau"] for name, runs in acceptance.items()}
-    print(f"{drafter}: tau {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"{drafter}: tau {taus(acceptance)} ({time.perf_counter() - start:.0f} s)", flush=True)
     return acceptance
 
 
 def drafter_entry(path: str, acceptance: dict) -> dict:
     """A drafter's part of the report: where it is, its tau per set and its runs per prompt."""
-    return {"path": path, "tau": {name: runs["tau"] for name, runs in acceptance.items()}, "acceptance": acceptance}
+    return {"path": path, "tau": taus(acceptance), "acceptance": acceptance}
 
 
 def main() -> None:
@@ -104,12 +109,12 @@ def main() -> None:
         "target": args.target,
         "prompts": {name: len(items) for name, items in prompts.items()},
         "max_new_tokens": args.max_new_tokens,
-        "verify": "whole block every round (speculative_generate, no verify_costs), greedy",
+        "verify": WHOLE_BLOCK_GREEDY,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
         "command": " ".join(sys.argv),
     }
+    current = reused_current(args.reuse, args.current, conditions)  # before loading anything: a bad --reuse fails fast
     target, tokenizer = load_target_and_tokenizer(args.target, device="cpu")
-    current = reused_current(args.reuse, args.current, conditions)
     if current is None:
         current = measure(target, tokenizer, args.current, prompts, args.max_new_tokens)
     candidate = measure(target, tokenizer, args.candidate, prompts, args.max_new_tokens)

@@ -46,6 +46,9 @@ from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E40
 from hf_dflash.prompts import load_prompts, split_set_limit  # noqa: E402
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
+WHOLE_BLOCK_GREEDY = "whole block every round (speculative_generate, no verify_costs), greedy"
+# the conditions greedy whole-block tau depends on: a report that matches them need not run again
+REUSE_KEYS = ("target", "prompts", "max_new_tokens", "verify")
 
 
 def acceptance_by_dataset(target, tokenizer, draft, prompts: dict, max_new_tokens: int) -> dict[str, dict]:
@@ -61,6 +64,16 @@ def acceptance_by_dataset(target, tokenizer, draft, prompts: dict, max_new_token
             rounds.append(len(out.stats.acceptance_lengths))
         results[name] = {"tau": round(sum(committed) / sum(rounds), 3), "committed": committed, "rounds": rounds}
     return results
+
+
+def taus(acceptance: dict[str, dict]) -> dict[str, float]:
+    """Tau per prompt set of an `acceptance_by_dataset` result."""
+    return {name: runs["tau"] for name, runs in acceptance.items()}
+
+
+def differing_conditions(earlier: dict, conditions: dict) -> list[str]:
+    """Which of `REUSE_KEYS` an earlier report's conditions hold other values of (empty: its runs can be reused)."""
+    return [key for key in REUSE_KEYS if earlier.get(key) != conditions[key]]
 
 
 def set_tau(run: dict, indices: list[int]) -> float:
@@ -182,9 +195,7 @@ def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str,
     results = {}
     for path in paths:
         report = json.loads(Path(path).read_text())
-        keys = ("target", "prompts", "max_new_tokens", "verify")
-        differing = [key for key in keys if report["conditions"].get(key) != conditions[key]]
-        if differing:
+        if differing := differing_conditions(report["conditions"], conditions):
             raise SystemExit(f"--reuse {path}: measured with other {', '.join(differing)}; rerun its pairs instead.")
         same_adapter = report["conditions"].get("target_adapter") == conditions["target_adapter"]
         for result in report["results"]:
@@ -229,7 +240,7 @@ def main() -> None:
         "target_adapter": args.target_adapter,
         "prompts": {name: len(items) for name, items in prompts.items()},
         "max_new_tokens": args.max_new_tokens,
-        "verify": "whole block every round (speculative_generate, no verify_costs), greedy",
+        "verify": WHOLE_BLOCK_GREEDY,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
     }
     reused = reusable_results(args.reuse, conditions)
@@ -247,9 +258,10 @@ def main() -> None:
         acceptance = acceptance_by_dataset(
             target, tokenizer, load_draft(drafter, target), prompts, args.max_new_tokens
         )
-        taus = {dataset: runs["tau"] for dataset, runs in acceptance.items()}
-        results.append({"target": which, "drafter": name, "path": drafter, "tau": taus, "acceptance": acceptance})
-        print(f"{which} target, {name} drafter: {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
+        results.append(
+            {"target": which, "drafter": name, "path": drafter, "tau": taus(acceptance), "acceptance": acceptance}
+        )
+        print(f"{which} target, {name} drafter: {taus(acceptance)} ({time.perf_counter() - start:.0f} s)", flush=True)
     add_shares(results)
     report = {"conditions": conditions, "fine_tune_cost": fine_tune_costs(results), "results": results}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

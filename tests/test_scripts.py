@@ -181,7 +181,7 @@ def test_swapped_records_keep_the_count_the_order_and_the_held_out_records_last(
         swap(records, records[:1], holdout=2, seed=0)
 
 
-def test_compare_drafters_gives_each_sets_gain_a_paired_interval_and_a_verdict_that_can_fail(tmp_path):
+def test_compare_drafters_gives_each_sets_gain_a_paired_interval_and_a_verdict_that_can_fail():
     compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "compare_drafters.py")
     runs = lambda committed, rounds: {"committed": committed, "rounds": rounds}  # noqa: E731
     current = {"gsm8k": runs([4, 4], [2, 2]), "humaneval": runs([30, 30], [20, 20])}
