@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import PAD, VOCAB, load_module, make_draft
+from helpers import PAD, VOCAB, load_module, make_draft, make_target
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -21,6 +21,7 @@ from hf_dflash import (
     enable_dflash_generate,
     speculative_generate,
 )
+from hf_dflash.generation_dflash import keeps_recurrent_state
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
 ENTRY_POINTS = ["generate", "speculative_generate"]
@@ -187,7 +188,6 @@ def tiny_mamba():
 @pytest.mark.parametrize("entry_point", ENTRY_POINTS)
 def test_stateful_hybrid_target(entry_point):
     stateful = tiny_qwen3_next()
-    assert stateful._is_stateful
     with pytest.raises(ValueError, match=r"cannot be rolled back"):
         make_draft(stateful, block_size=4)  # from_target refuses it too
     other = draft_from_config(target_layer_ids=[0, 1])
@@ -202,6 +202,16 @@ def test_stateful_recurrent_target(entry_point):
     mamba = tiny_mamba()
     with pytest.raises(ValueError, match=r"MambaForCausalLM keeps a recurrent.*cannot be rolled back"):
         run(entry_point, mamba, draft_from_config(target_layer_ids=[0, 1]))
+
+
+@pytest.mark.parametrize(
+    ("build", "stateful"), [(tiny_qwen3_next, True), (tiny_mamba, True), (lambda: make_target("gemma3"), False)]
+)
+def test_recurrent_state_is_found_from_the_cache_layers(build, stateful):
+    """transformers >= 5.25 no longer sets `_is_stateful`; the check must not depend on it."""
+    target = build()
+    target._is_stateful = False  # what transformers < 5.25 set on attention-only models
+    assert keeps_recurrent_state(target) is stateful
 
 
 def tiny_qwen2_vl():

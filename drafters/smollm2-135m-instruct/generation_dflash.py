@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from transformers import GenerationMixin
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -94,13 +94,25 @@ def pad_token_id_of(generation_config: Any) -> int:
     return eos[0] if eos else 0
 
 
+def keeps_recurrent_state(target: Any) -> bool:
+    """Whether `target`'s cache holds a recurrent or linear-attention state (Mamba, Qwen3-Next, ...).
+
+    transformers < 5.25 flags such models with `_is_stateful`; later versions dropped the flag, so the cache layers
+    the target's config asks for are checked too (built lazily: no tensors are allocated).
+    """
+    if getattr(target, "_is_stateful", False):
+        return True
+    layers = DynamicCache(config=target.config).layers
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
+
+
 def check_target_supported(target: Any) -> None:
     """Raise a clear error if `target` is a kind of model DFlash cannot speculate for losslessly."""
     target_name = type(target).__name__
     text_config = target.config.get_text_config()
     if getattr(target.config, "is_encoder_decoder", False):
         raise ValueError(f"{target_name} is an encoder-decoder model; DFlash drafts for decoder-only causal LMs.")
-    if getattr(target, "_is_stateful", False):
+    if keeps_recurrent_state(target):
         raise ValueError(
             f"{target_name} keeps a recurrent/linear-attention state that cannot be rolled back after a rejected "
             "draft, so speculative decoding cannot be lossless with it. Use plain `generate` for this model."
@@ -276,6 +288,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         costs = getattr(draft, "verify_costs", None)
         self.fallback = costs.fallback() if costs is not None and hasattr(costs, "fallback") else None
         self.last_step: tuple[int, bool, float] | None = None  # (length before, drafted, start) of the last call
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most candidates one call proposes (transformers >= 5.25 reads it when it prepares the target cache)."""
+        return self.block_size - 1
 
     def get_candidates(
         self,
