@@ -44,8 +44,8 @@ class RecordingCosts(VerifyCosts):
         self.recorded.append((path_probs / previous)[0].tolist())
         return path_probs.shape[1]
 
-    def fallback(self) -> Fallback:
-        """A fallback that never judges (its window is shorter than the rounds it waits for): every step drafts."""
+    def fallback(self, path: str = "") -> Fallback:
+        """A fallback (on any path) that never judges (its window is shorter than the rounds it waits for): every step drafts."""
         return Fallback(self, window=1, min_rounds=2)
 
 

@@ -152,7 +152,8 @@ def test_report_covers_every_method_and_outputs_are_identical(report):
             row = methods[method]
             for key in ("tau", "verified_drafts_per_round", "tree_rounds", "plain_steps", "rounds"):
                 assert key in row, (method, key)
-            assert row["tau"] >= 1.0 and len(row["tau_histogram"]) == 4 + 1
+            # the fallback's judgement carries across prompts: a costed method may not draft on a whole set
+            assert (row["tau"] >= 1.0 or row["rounds"] == 0) and len(row["tau_histogram"]) == 4 + 1
         assert "tau" not in methods["plain"] and "tau" not in methods["assisted"]  # no SpeculativeStats there
         assert summary["tau"] == methods["ours"]["tau"]  # kept at the top for scripts/export_drafter.py
         assert methods["ours_chain"]["tree_rounds"] == methods["ours_full_block"]["tree_rounds"] == 0

@@ -1,6 +1,8 @@
 """Verifying only the proposals worth their cost (`verify_costs`): the choice itself, and that the output stays the
 target's own, greedy token for token and sampled by a chi-square test."""
 
+import functools
+
 import pytest
 import torch
 from helpers import greedy_reference, left_pad, make_draft, make_oracle, make_target
@@ -117,6 +119,27 @@ def test_a_useless_draft_costs_little_more_than_plain_decoding():
     assert cost / (200 - 1) < 1.06  # 199 plain steps after the prefill
 
 
+def test_the_fallback_judgement_carries_from_one_call_to_the_next():
+    """Each prompt must not pay the probes again: a second call with the same costs goes on with the pause the first
+    one reached (a probe of 4 rounds, then 256 steps), while another decoding path or new costs start afresh."""
+    target = make_target("llama")
+    prompt = random_prompt(10, seed=2)
+    reference = greedy_reference(target, prompt, 200)
+    draft = make_oracle(target, [reference], p_wrong=1.0, block_size=4)
+    costs = VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13)
+    run = functools.partial(speculative_generate, target, draft, prompt[None], max_new_tokens=200, tree=False)
+    first, second = run(verify_costs=costs), run(verify_costs=costs)
+    assert first.sequences[0].tolist() == second.sequences[0].tolist() == reference.tolist()
+    assert first.stats.num_rounds > 10  # probes after pauses of 8, 16, 32, 64
+    assert second.stats.num_rounds <= 4
+    assert costs.fallback("a path") is costs.fallback("a path") is not costs.fallback("another path")
+    other_path = run(verify_costs=costs, tree=3)  # trees take other times: judged apart
+    assert other_path.sequences[0].tolist() == reference.tolist()
+    assert other_path.stats.num_rounds > 10
+    fresh = run(verify_costs=VerifyCosts(verify=costs.verify, draft=costs.draft))
+    assert fresh.stats.num_rounds == first.stats.num_rounds
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_generate_with_a_costed_useless_drafter_skips_drafting_and_stays_exact(do_sample):
     target = make_target("llama")
@@ -130,6 +153,10 @@ def test_generate_with_a_costed_useless_drafter_skips_drafting_and_stays_exact(d
     out = target.generate(prompt[None], max_new_tokens=120, assistant_model=draft, **kwargs)
     assert out[0].tolist() == reference.tolist()
     assert len(calls) < 40  # the fallback paused drafting for most of the 119 steps after the prefill
+    first_call = len(calls)
+    out = target.generate(prompt[None], max_new_tokens=120, assistant_model=draft, **kwargs)
+    assert out[0].tolist() == reference.tolist()
+    assert len(calls) - first_call < first_call  # the next call goes on with the pause the first one reached
 
 
 @pytest.mark.parametrize(

@@ -251,7 +251,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
     A drafter that carries measured `verify_costs` (`draft.verify_costs = hf_dflash.measure_verify_costs(target,
     draft)`) is planned like `speculative_generate`'s chains: greedy decoding returns only the proposals worth
     verifying (`verify_costs.best_num_draft`), and while drafted rounds commit fewer tokens per second than plain
-    decoding would, calls return no candidate without drafting (`verify_costs.fallback()`: a plain step), keeping
+    decoding would, calls return no candidate without drafting (`verify_costs.fallback(path)`: a plain step), keeping
     the skipped steps' hidden states for the next draft. This path verifies chains only.
     """
 
@@ -286,8 +286,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.pending: list[torch.Tensor] = []  # features of committed tokens not in the draft cache yet
         self.num_seen = 0  # committed tokens whose features are in the cache or pending
         costs = getattr(draft, "verify_costs", None)
-        self.fallback = costs.fallback() if costs is not None and hasattr(costs, "fallback") else None
+        self.fallback = costs.fallback(self.path) if costs is not None and hasattr(costs, "fallback") else None
         self.last_step: tuple[int, bool, float] | None = None  # (length before, drafted, start) of the last call
+
+    @property
+    def path(self) -> str:
+        """The decoding path, as the fallback keeps its judgements apart (`VerifyCosts.fallback`)."""
+        return f"generate({'do_sample' if self.do_sample else 'greedy'})"
 
     @property
     def num_drafting_tokens(self) -> int:

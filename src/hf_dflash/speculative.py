@@ -342,6 +342,13 @@ class _Setup:
         return self.draft.config.block_size
 
     @property
+    def path(self) -> str:
+        """The decoding path, as the fallback keeps its judgements apart (`VerifyCosts.fallback`)."""
+        proposals = "samples" if self.sample_proposals else "argmax"
+        sampling = f"do_sample, proposing {proposals}" if self.do_sample else "greedy"
+        return f"speculative_generate({sampling}, tree of {self.max_tree_nodes} nodes)"
+
+    @property
     def layer_ids(self) -> list[int]:
         return list(self.draft.config.target_layer_ids)
 
@@ -387,7 +394,7 @@ class Proposal:
 def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Tensor, streamer) -> SpeculativeOutput:
     """Prefill, then rounds of draft / plan / verify / accept / keep until every row is done."""
     stats = SpeculativeStats(block_size=setup.block_size)
-    fallback = setup.verify_costs.fallback() if setup.verify_costs is not None else None
+    fallback = setup.verify_costs.fallback(setup.path) if setup.verify_costs is not None else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
     state = prefill(setup, input_ids, attention_mask, stats)

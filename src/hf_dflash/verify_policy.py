@@ -13,7 +13,8 @@ where `P(node accepted)` is the node's path probability under the draft (for a c
 draft's probability for its own j-th proposal); `N = 0` is a plain step. Rows of a batch share one forward, so their
 expected tokens add up. `Fallback` goes further when drafting stops paying: it skips the draft altogether for a
 number of plain steps (doubling while probes keep failing), judged on the tokens rounds really committed in the
-seconds they really took, against the plain steps' own measured seconds.
+seconds they really took, against the plain steps' own measured seconds. The judgement carries from one call to the
+next with the same costs, so a drafter that does not pay on some prompts costs their probes once, not per prompt.
 
 Losslessness does not depend on the plan: the target still checks every token it keeps. Under sampling, `N` is chosen
 from the draft distributions before any token is sampled from them (all of a block's distributions come from one
@@ -23,6 +24,7 @@ correctness needs.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -71,9 +73,19 @@ class VerifyCosts:
         """How many of a chain's `k` proposals to verify, given the draft's probability of each: `[b, k]` -> `0..k`."""
         return self.best_num_nodes(confidences.float().cumprod(-1))
 
-    def fallback(self) -> Fallback:
-        """A fresh `Fallback` judging rounds with these costs (what `generate(assistant_model=draft)` asks for)."""
-        return Fallback(self)
+    def fallback(self, path: str = "") -> Fallback:
+        """The `Fallback` of one decoding `path` (a name the caller picks: `speculative_generate` names its plan and
+        sampling, `generate(assistant_model=draft)` itself) planning with these costs. Every call on that path shares
+        it (`cached_verify_costs` keeps one set of costs per target and setting), so what one call learnt (a pause
+        under way, its backoff, the timed rounds and plain steps) carries into the next instead of each prompt
+        paying its probes again; paths keep apart because their rounds take different times."""
+        if path not in self._fallbacks:
+            self._fallbacks[path] = Fallback(self)
+        return self._fallbacks[path]
+
+    @functools.cached_property
+    def _fallbacks(self) -> dict[str, Fallback]:
+        return {}
 
     def seconds(self, num_nodes: int) -> float:
         """Modelled seconds of a drafted round verifying `num_nodes` nodes (plus the bonus)."""
