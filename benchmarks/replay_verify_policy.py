@@ -45,7 +45,8 @@ class RecordingCosts(VerifyCosts):
         return path_probs.shape[1]
 
     def fallback(self, path: str = "") -> Fallback:
-        """A fallback (on any path) that never judges (its window is shorter than the rounds it waits for): every step drafts."""
+        """A fallback, on any path, that never judges (its window is shorter than the rounds it waits for): every
+        step drafts."""
         return Fallback(self, window=1, min_rounds=2)
 
 
