@@ -181,10 +181,11 @@ def speculative_generate(
             `min_p`, `eos_token_id`, `pad_token_id`; defaults come from `target.generation_config`.
         verify_costs: `None` verifies every proposal of the block (DFlash as published: right where verifying a
             block costs about one token, as on a GPU). `"auto"` measures the target's forward time over 1 .. n
-            tokens once (cached per target; on 2 CPU cores about 17 s for SmolLM2-135M over up to 17 tokens) and plans each round from the draft's own
-            probabilities: a draft tree, a chain or no proposal at all, whichever brings the most expected tokens per
-            second, and plain decoding steps while drafting does not pay (`hf_dflash.verify_policy`); or pass
-            measured `VerifyCosts`. The output is the target's own either way.
+            tokens once (cached per target; on 2 CPU cores about 17 s for SmolLM2-135M over up to 17 tokens) and
+            plans each round from the draft's own probabilities: a draft tree, a chain or no proposal at all,
+            whichever brings the most expected tokens per second, and plain decoding steps while drafting does not
+            pay (`hf_dflash.verify_policy`); or pass measured `VerifyCosts`. The output is the target's own either
+            way.
         tree: draft trees for greedy decoding, on targets that verify one exactly (`draft_tree`; not
             sliding-window targets). `None`: with `verify_costs`, trees of up to 16 nodes when the target supports
             them, else chains; `False`: chains only; an int `N`: trees of up to `N` nodes with `verify_costs`, and
