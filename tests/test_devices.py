@@ -30,9 +30,15 @@ from hf_dflash.verify_policy import VerifyCosts, measure_verify_costs
 # RoPE with a Llama layout, GPT-NeoX's partial rotary and fused QKV, Gemma 3's sliding layers and scaled embedding
 # (chains only, batches decoded row by row).
 DEVICE_FAMILIES = ["llama", "gpt_neox", "gemma3"]
-# As on a GPU: a forward over 17 tokens costs about one token's, so the planner keeps most nodes, as trees if it may.
-FLAT_COSTS = VerifyCosts(verify=tuple(1.0 + 0.01 * n for n in range(17)), draft=0.1)
 NEW_TOKENS = 40
+
+
+def flat_costs() -> VerifyCosts:
+    """As on a GPU: a forward over 17 tokens costs about one token's, so the planner keeps most nodes, as trees if it
+    may. New costs for every call: the fallback's judgement, timed on the wall clock, carries across the calls that
+    share one `VerifyCosts`, so a shared one would let a pause begun in one test (another target, a busy machine)
+    make the next test's call decode plain."""
+    return VerifyCosts(verify=tuple(1.0 + 0.01 * n for n in range(17)), draft=0.1)
 
 
 def _on(device: str, *tensors: torch.Tensor) -> bool:
@@ -69,9 +75,9 @@ def test_greedy_outputs_are_the_targets_own(device, family, generator_spy):
     draft = _oracle_on(device, make_oracle, target, [full], p_wrong=0.2)
 
     chains = speculative_generate(target, draft, prompt[None], max_new_tokens=NEW_TOKENS, tree=False)
-    planned = speculative_generate(target, draft, prompt[None], max_new_tokens=NEW_TOKENS, verify_costs=FLAT_COSTS)
+    planned = speculative_generate(target, draft, prompt[None], max_new_tokens=NEW_TOKENS, verify_costs=flat_costs())
     via_generate = target.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=draft)
-    draft.verify_costs = FLAT_COSTS  # generate()'s planner: the chain length worth verifying
+    draft.verify_costs = flat_costs()  # generate()'s planner: the chain length worth verifying
     costed_generate = target.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=draft)
 
     assert chains.sequences[0].tolist() == planned.sequences[0].tolist() == reference
@@ -86,7 +92,7 @@ def test_greedy_outputs_are_the_targets_own(device, family, generator_spy):
     tree_draft = _oracle_on(device, tree_oracle, target, [full], p_sibling=0.3, p_miss=0.1)
     trees = speculative_generate(target, tree_draft, prompt[None], max_new_tokens=NEW_TOKENS, tree=16)
     planned_trees = speculative_generate(
-        target, tree_draft, prompt[None], max_new_tokens=NEW_TOKENS, verify_costs=FLAT_COSTS
+        target, tree_draft, prompt[None], max_new_tokens=NEW_TOKENS, verify_costs=flat_costs()
     )
     assert trees.sequences[0].tolist() == planned_trees.sequences[0].tolist() == reference
     assert trees.stats.tree_rounds == trees.stats.num_rounds > 0 and trees.stats.tau > 1.5
@@ -103,7 +109,7 @@ def test_a_ragged_batch_of_two_gives_each_rows_own_output(device, family):
     input_ids, attention_mask = (t.to(device) for t in left_pad(prompts))
     width = input_ids.shape[1]
 
-    variants = [{"tree": False}, {"verify_costs": FLAT_COSTS}]
+    variants = [{"tree": False}, {"verify_costs": flat_costs()}]
     if tree_unsupported_reason(target, do_sample=False) is None:
         variants.append({"tree": 16})
     for kwargs in variants:
@@ -122,7 +128,7 @@ def test_sampled_outputs_have_the_right_shape_and_stay_in_the_vocabulary(device)
     torch.manual_seed(0)
     sampling = {"do_sample": True, "top_k": 20, "temperature": 0.8}
 
-    one = speculative_generate(target, draft, input_ids[:1], max_new_tokens=24, verify_costs=FLAT_COSTS, **sampling)
+    one = speculative_generate(target, draft, input_ids[:1], max_new_tokens=24, verify_costs=flat_costs(), **sampling)
     batch = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=16, **sampling)
     via_generate = target.generate(input_ids[:1], max_new_tokens=24, assistant_model=draft, **sampling)
 
