@@ -8,7 +8,7 @@ import torch
 
 from hf_dflash.atomic_files import atomic_path, created_mode, write_text_atomic
 from hf_dflash.data import Prompt, prompts_from_jsonl, write_prompts_jsonl
-from hf_dflash.target_cache import TargetCache, _write
+from hf_dflash.target_cache import _write
 
 
 def _mode(path) -> int:
@@ -72,5 +72,5 @@ def test_feature_cache_leaves_nothing_when_saving_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(target_cache, "save_file", failing_save)
     with pytest.raises(OSError, match="No space left"):
-        _write(TargetCache(features=[torch.zeros(3, 4)]), tmp_path / "cache" / "abc.safetensors")
+        _write({"features": torch.zeros(3, 4)}, tmp_path / "cache" / "abc.safetensors")
     assert list((tmp_path / "cache").iterdir()) == []

@@ -247,7 +247,7 @@ def test_cached_top_k_distillation_gives_the_online_top_k_loss(tmp_path):
     assert cached.target_cache.top_ids[0].shape == (26, 5) and int(cached.target_cache.top_ids[0].max()) < 64
 
 
-def test_the_target_cache_on_disk_is_reused_only_for_the_same_target_and_data(tmp_path, monkeypatch):
+def test_the_target_cache_on_disk_is_reused_per_sequence_for_the_same_target(tmp_path, monkeypatch):
     from datasets import Dataset
 
     from hf_dflash import target_cache, trainer
@@ -256,23 +256,34 @@ def test_the_target_cache_on_disk_is_reused_only_for_the_same_target_and_data(tm
     dataset = Dataset.from_list(_records(target))
     draft = make_draft(target, block_size=8, num_hidden_layers=1)
     args = _distill_args(tmp_path, cache_target_features=True, target_features_dir=str(tmp_path / "features"))
-    first = target_cache.build_target_cache(target, dataset, draft, 2048, 5, args.target_features_dir)
-    files = sorted((tmp_path / "features").iterdir())
-    assert len(files) == 1 and files[0].suffix == ".safetensors"
+    first = target_cache.build_target_cache(target, dataset.select([0, 1]), draft, 2048, 5, args.target_features_dir)
+    (store,) = (tmp_path / "features").iterdir()
+    assert sorted(path.suffix for path in store.iterdir()) == [".safetensors"] * 2  # one file per sequence
 
-    def no_target_forward(*args, **kwargs):
-        raise AssertionError("the cache on disk should have been read")
+    forwards, real_forward = [], trainer.target_forward
 
-    monkeypatch.setattr(trainer, "target_forward", no_target_forward)
+    def counted_forward(target, batch, *args, **kwargs):
+        forwards.append(batch)
+        return real_forward(target, batch, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "target_forward", counted_forward)
+    # the next stage's data holds the previous stage's: the target runs on the new sequence only
     again = DFlashTrainer(model=draft, target=target, args=args, train_dataset=dataset).target_cache
+    assert [batch["input_ids"][0].tolist() for batch in forwards] == [dataset[2]["input_ids"]]
     for name in ("features", "top_logits", "top_ids"):
         for ours, theirs in zip(getattr(again, name), getattr(first, name)):
             assert torch.equal(ours, theirs)
-    monkeypatch.undo()
-    other_target = make_target("qwen3", seed=1)
-    target_cache.build_target_cache(other_target, dataset, draft, 2048, 5, args.target_features_dir)
-    target_cache.build_target_cache(target, dataset.select([0, 1]), draft, 2048, 5, args.target_features_dir)
-    assert len(list((tmp_path / "features").iterdir())) == 3  # another target, other data: new files
+    online = target_cache.build_target_cache(target, dataset, draft, 2048, 5)  # nothing read: computes all three
+    for name in ("features", "top_logits", "top_ids"):
+        for ours, theirs in zip(getattr(again, name), getattr(online, name)):
+            assert torch.equal(ours, theirs)
+    forwards.clear()
+    target_cache.build_target_cache(make_target("qwen3", seed=1), dataset, draft, 2048, 5, args.target_features_dir)
+    target_cache.build_target_cache(target, dataset, draft, 2048, 0, args.target_features_dir)
+    assert len(forwards) == 6 and len(list((tmp_path / "features").iterdir())) == 3  # another target, another k
+    forwards.clear()
+    short = target_cache.build_target_cache(target, dataset, draft, 5, 5, args.target_features_dir)
+    assert len(forwards) == 3 and all(features.shape[0] == 5 for features in short.features)  # other tokens
 
 
 def test_bad_lever_arguments_are_named(tmp_path):

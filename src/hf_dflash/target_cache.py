@@ -2,10 +2,11 @@
 
 For each training sequence: the draft's context features `[T, n*H]` and, for distillation (`distill_top_k`), the
 target's `k` largest logits over the draft vocabulary with their draft-vocabulary indices `[T, k]`. Kept in memory
-(fp32, on the CPU) and, with `target_features_dir`, in one safetensors file there whose name is a digest of
-everything the values depend on (the target's weights, tapped layers, `max_length`, `k`, the draft vocabulary and the
-token ids of every sequence): a later run on the same target and data (another variant of an ablation, the next
-stage of a recipe) reads it instead of running the target again, and a changed target or data never matches it.
+(fp32, on the CPU) and, with `target_features_dir`, on disk: one safetensors file per sequence, named by a digest of
+its token ids, in a folder named by a digest of everything else the values depend on (the target's weights, the
+tapped layers, `k` and the draft vocabulary). A later run on the same target (another variant of an ablation, the
+next stage of a recipe, whose data holds the previous stage's) runs the target only on the sequences it has not seen,
+and a changed target or setting never matches.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ class TargetCache:
     features: list[torch.Tensor]
     top_logits: list[torch.Tensor] | None = None
     top_ids: list[torch.Tensor] | None = None
+
+    def append(self, entry: dict[str, torch.Tensor]) -> None:
+        """Add one sequence's `features` (and `top_logits` / `top_ids` when this cache holds logits)."""
+        self.features.append(entry["features"])
+        if self.top_logits is not None and self.top_ids is not None:
+            self.top_logits.append(entry["top_logits"])
+            self.top_ids.append(entry["top_ids"])
 
     def batch_features(self, rows: list[int], seq_len: int, device: torch.device) -> torch.Tensor:
         """`[b, T, n*H]` features of the batch's rows, zero-padded on the right like the tokens."""
@@ -76,70 +84,64 @@ def build_target_cache(
     top_k: int = 0,
     folder: str | os.PathLike | None = None,
 ) -> TargetCache:
-    """One target forward per training sequence (or none, when `folder` already holds this exact cache)."""
+    """One target forward per training sequence, except for the sequences `folder` already holds for this target and
+    setting, which are read instead (new ones are written there)."""
     from tqdm.auto import tqdm
 
-    from .trainer import target_forward  # the training forward's own feature extraction
-
-    path = None
-    if folder is not None:
-        path = Path(folder) / f"target-cache-{cache_key(target, dataset, draft, max_length, top_k)}.safetensors"
-        if path.is_file():
-            logger.info(f"Reading the target's features from {path}.")
-            return _read(path, len(dataset), top_k > 0)
-    layer_ids = list(draft.config.target_layer_ids)
+    store = None if folder is None else Path(folder) / settings_key(target, draft, top_k)
     cache = TargetCache(features=[], top_logits=[] if top_k else None, top_ids=[] if top_k else None)
+    num_read = 0
     for input_ids in tqdm(dataset["input_ids"], desc="caching target features"):
-        ids = torch.tensor(input_ids[:max_length], device=target.device)[None]
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        features, logits = target_forward(target, batch, layer_ids, want_logits=top_k > 0)
-        cache.features.append(features[0].float().cpu())
-        if top_k:
-            values, indices = top_k_over_draft_vocabulary(logits[0], draft.draft_token_ids, top_k)
-            cache.top_logits.append(values.cpu())
-            cache.top_ids.append(indices.cpu())
-    if path is not None:
-        _write(cache, path)
+        input_ids = list(input_ids[:max_length])
+        path = None if store is None else store / f"{sequence_key(input_ids)}.safetensors"
+        if path is not None and path.is_file():
+            entry, num_read = load_file(str(path)), num_read + 1
+        else:
+            entry = _target_entry(target, input_ids, draft, top_k)
+            if path is not None:
+                _write(entry, path)
+        cache.append(entry)
+    if store is not None:
+        logger.info(f"Target features: read {num_read} of {len(cache.features)} sequences from {store}.")
     return cache
 
 
-def cache_key(target: PreTrainedModel, dataset: Any, draft: DFlashForDrafting, max_length: int, top_k: int) -> str:
-    """A digest of everything the cached values depend on."""
-    digest = hashlib.sha256()
+def _target_entry(target: PreTrainedModel, input_ids: list[int], draft: DFlashForDrafting, top_k: int) -> dict:
+    """One sequence's `{"features": [T, n*H]}`, with `top_logits` / `top_ids` `[T, k]` when `top_k`."""
+    from .trainer import target_forward  # the training forward's own feature extraction
+
+    ids = torch.tensor(input_ids, device=target.device)[None]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    features, logits = target_forward(target, batch, list(draft.config.target_layer_ids), want_logits=top_k > 0)
+    entry = {"features": features[0].float().cpu()}
+    if top_k:
+        values, indices = top_k_over_draft_vocabulary(logits[0], draft.draft_token_ids, top_k)
+        entry |= {"top_logits": values.cpu(), "top_ids": indices.cpu()}
+    return entry
+
+
+def settings_key(target: PreTrainedModel, draft: DFlashForDrafting, top_k: int) -> str:
+    """A digest of everything but the tokens that the cached values depend on."""
     vocabulary = draft.draft_token_ids
     settings = {
         "target_weights": draft_fingerprint(target),  # bf16-rounded digest of every weight: an adapter changes it
         "target_layer_ids": list(draft.config.target_layer_ids),
-        "max_length": max_length,
         "top_k": top_k,
         "draft_vocabulary": None if vocabulary is None or not top_k else vocabulary.tolist(),
     }
-    digest.update(json.dumps(settings, sort_keys=True).encode())
-    for input_ids in dataset["input_ids"]:
-        digest.update(json.dumps(input_ids[:max_length]).encode())
-    return digest.hexdigest()[:20]
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _write(cache: TargetCache, path: Path) -> None:
-    """One safetensors file, written next to its final name and renamed: a killed run leaves no partial cache."""
-    tensors = {f"features.{i}": tensor for i, tensor in enumerate(cache.features)}
-    if cache.top_logits is not None:
-        tensors |= {f"top_logits.{i}": tensor for i, tensor in enumerate(cache.top_logits)}
-        tensors |= {f"top_ids.{i}": tensor for i, tensor in enumerate(cache.top_ids)}
+def sequence_key(input_ids: list[int]) -> str:
+    """A digest of one sequence's token ids (as truncated to `max_length`: the target is causal, so they are all
+    its features depend on)."""
+    return hashlib.sha256(json.dumps(input_ids).encode()).hexdigest()[:24]
+
+
+def _write(entry: dict[str, torch.Tensor], path: Path) -> None:
+    """One sequence's file, written next to its final name and renamed: a killed run leaves no partial file."""
     with atomic_path(path) as tmp:
-        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(tmp))
-    logger.info(f"Kept the target's features in {path}.")
+        save_file({name: tensor.contiguous() for name, tensor in entry.items()}, str(tmp))
 
 
-def _read(path: Path, num_rows: int, with_logits: bool) -> TargetCache:
-    tensors = load_file(str(path))
-
-    def column(name: str) -> list[torch.Tensor]:
-        return [tensors[f"{name}.{i}"] for i in range(num_rows)]
-
-    if not with_logits:
-        return TargetCache(features=column("features"))
-    return TargetCache(features=column("features"), top_logits=column("top_logits"), top_ids=column("top_ids"))
-
-
-__all__ = ["TargetCache", "build_target_cache", "cache_key", "top_k_over_draft_vocabulary"]
+__all__ = ["TargetCache", "build_target_cache", "sequence_key", "settings_key", "top_k_over_draft_vocabulary"]

@@ -135,8 +135,8 @@ class DFlashTrainingArguments(TrainingArguments):
     target_features_dir: str | None = field(
         default=None,
         metadata={
-            "help": "With cache_target_features: also keep that cache in this folder, named by a digest of the "
-            "target's weights, tapped layers and data, so a later run on the same target and data reads it."
+            "help": "With cache_target_features: also keep that cache in this folder, one file per sequence, so a "
+            "later run on the same target and tapped layers (a recipe's next stage) runs the target only on new ones."
         },
     )
     lm_head_chunk_size: int = field(default=1024, metadata={"help": "Supervised slots per LM-head + loss chunk."})
