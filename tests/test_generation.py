@@ -272,3 +272,21 @@ def test_reduced_draft_vocabulary_stays_lossless(family, vocabulary):
     assert ours.sequences[0].tolist() == reference.tolist()
     if vocabulary == "covers-the-output":
         assert ours.stats.tau > 3  # the oracle's tokens are all in the subset: long runs accepted
+
+
+def test_the_drafters_context_queue_joins_steps_in_order_and_refuses_an_empty_read():
+    from hf_dflash.speculative import DecodeState
+
+    state = DecodeState(
+        cache=None, key_mask=None, next_position=None, draft_cache=None, draft_key_mask=None,
+        context=[], bonus=None, generated=[[]], done=torch.zeros(1, dtype=torch.bool),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="no target features are queued"):
+        state.take_context()
+    for step in range(3):  # a prompt of two tokens, then two plain steps
+        length = 2 if step == 0 else 1
+        positions = torch.arange(length)[None] + (0 if step == 0 else step + 1)
+        state.add_context(torch.full((1, length, 4), float(step)), torch.ones(1, length), positions)
+    features, mask, positions = state.take_context()
+    assert features[0, :, 0].tolist() == [0.0, 0.0, 1.0, 2.0] and positions.tolist() == [[0, 1, 2, 3]]
+    assert mask.shape == (1, 4) and state.context == []

@@ -377,6 +377,8 @@ class DecodeState:
 
     def take_context(self) -> tuple[torch.Tensor, torch.Tensor, torch.LongTensor]:
         """The queued features `[b, n, taps * H]`, mask `[b, n]` and positions `[b, n]`; the queue is then empty."""
+        if not self.context:  # prefill and every step queue their tokens, so a draft always finds some
+            raise RuntimeError("DecodeState.take_context: no target features are queued for the drafter to read.")
         features, mask, positions = (torch.cat(parts, dim=1) for parts in zip(*self.context))
         self.context = []
         return features, mask, positions
