@@ -106,7 +106,9 @@ def build_target_cache(
     return cache
 
 
-def _target_entry(target: PreTrainedModel, input_ids: list[int], draft: DFlashForDrafting, top_k: int) -> dict:
+def _target_entry(
+    target: PreTrainedModel, input_ids: list[int], draft: DFlashForDrafting, top_k: int
+) -> dict[str, torch.Tensor]:
     """One sequence's `{"features": [T, n*H]}`, with `top_logits` / `top_ids` `[T, k]` when `top_k`."""
     from .trainer import target_forward  # the training forward's own feature extraction
 
