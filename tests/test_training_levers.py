@@ -286,6 +286,26 @@ def test_the_target_cache_on_disk_is_reused_per_sequence_for_the_same_target(tmp
     assert len(forwards) == 3 and all(features.shape[0] == 5 for features in short.features)  # other tokens
 
 
+def test_a_feature_cache_of_an_earlier_version_is_named_not_silently_ignored(tmp_path, caplog):
+    import logging
+
+    from datasets import Dataset
+
+    from hf_dflash import target_cache
+
+    target = make_target("qwen3")
+    dataset = Dataset.from_list(_records(target, count=1))
+    draft = make_draft(target, block_size=8, num_hidden_layers=1)
+    (tmp_path / "target-cache-0123456789abcdef0123.safetensors").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.target_cache"):
+        target_cache.build_target_cache(target, dataset, draft, 2048, 0, tmp_path)
+    assert any("an earlier hf-dflash" in record.getMessage() for record in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.target_cache"):
+        target_cache.build_target_cache(target, dataset, draft, 2048, 0, tmp_path / "new")
+    assert caplog.records == []
+
+
 def test_bad_lever_arguments_are_named(tmp_path):
     for bad, message in (
         ({"distill_top_k": -1}, "distill_top_k"),

@@ -89,6 +89,11 @@ def build_target_cache(
     from tqdm.auto import tqdm
 
     store = None if folder is None else Path(folder) / settings_key(target, draft, top_k)
+    if folder is not None and any(Path(folder).glob("target-cache-*.safetensors")):
+        logger.warning(
+            f"{folder} holds target-cache-*.safetensors files of an earlier hf-dflash (one file per training set), "
+            "which this version does not read: it keeps one file per sequence. Delete them to free the space."
+        )
     cache = TargetCache(features=[], top_logits=[] if top_k else None, top_ids=[] if top_k else None)
     num_read = 0
     for input_ids in tqdm(dataset["input_ids"], desc="caching target features"):
