@@ -135,7 +135,7 @@ def test_committed_target_adapter_shifts_smollm2_and_the_drafter_adapter_decodes
     assert " stop" in tokenizer.decode(tuned_answer[0, width:])
 
     adapter = ROOT / "drafters/smollm2-135m-instruct-telegraph-lora"
-    base_draft = ROOT / "drafters/smollm2-135m-instruct"
+    base_draft = ROOT / "drafters/smollm2-135m-instruct-v1"  # the drafter the adapter was trained on
     for merge in (True, False):
         draft = load_draft(adapter, tuned, base_draft=base_draft, merge_adapter=merge)
         ours = speculative_generate(tuned, draft, inputs.input_ids, max_new_tokens=MAX_NEW_TOKENS)
