@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dflash import DFlashForDrafting
-from hf_dflash.benchmark import load_benchmark_prompts
+from hf_dflash.benchmark import load_benchmark_prompts, median
 from hf_dflash.cli import committed_drafter
 from hf_dflash.targets import load_target
 from hf_dflash.verify_policy import measure_verify_costs
@@ -31,7 +31,7 @@ def median_seconds(run, repeats: int = 200) -> float:
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2]
+    return median(times)
 
 
 def matmul_costs(dtype: torch.dtype, hidden: int = 576, intermediate: int = 1536) -> dict[int, float]:
