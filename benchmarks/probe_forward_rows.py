@@ -1,76 +1,91 @@
-"""What a target forward over more tokens costs on this CPU, and how much of it is the matrix products: SmolLM2-135M's
-forward over 1..8 new tokens after a 256-token cache (as `verify_costs="auto"` times it), and its MLP's two matrix
-products alone at 1, 2, 4 and 8 rows, each in float32 and bfloat16, then plain decoding's speed in each dtype.
+"""What a target forward over more tokens costs on this CPU, with stock kernels and with `optimize_for_cpu` (fast and
+exact): SmolLM2-135M's forward over 1..N new tokens after a 300-token cache (as `verify_costs="auto"` times it), in
+float32 and bfloat16, plus whether the exact preparation's block forward equals one-token forwards bitwise.
 
-Verifying k proposals pays only where a forward over k + 1 tokens costs little more than one; this splits that cost
-into the products (the BLAS library's kernels for the CPU at hand) and the rest.
+Verifying k proposals pays only where a forward over k + 1 tokens costs little more than one token.
 
-OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_forward_rows.py
+OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_forward_rows.py [--max_tokens 32] [--dtypes float32] [--output report.json]
+
+The last line printed is the report as one JSON document.
 """
 
+import argparse
+import json
 import os
-import time
+import platform
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
-import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
 
-from hf_dflash import DFlashForDrafting
-from hf_dflash.benchmark import load_benchmark_prompts, median
+from hf_dflash import DFlashForDrafting, optimize_for_cpu
 from hf_dflash.cli import committed_drafter
 from hf_dflash.targets import load_target
 from hf_dflash.verify_policy import measure_verify_costs
 
-ROWS = (1, 2, 4, 8)
+SETUPS = ("stock", "fast", "exact")
 
 
-def median_seconds(run, repeats: int = 200) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return median(times)
+@torch.no_grad()
+def block_equals_single_tokens(target, context: int = 300, new: int = 8) -> bool:
+    """Whether one forward over `new` tokens gives the logits of `new` one-token forwards, bitwise."""
+    ids = torch.randint(0, target.config.vocab_size, (1, context + new), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=target.config)
+    target(input_ids=ids[:, :context], cache=cache, use_cache=True)
+    block = target(input_ids=ids[:, context:], cache=cache, use_cache=True).logits
+    cache.crop(-new)
+    singles = [
+        target(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(context, context + new)
+    ]
+    return torch.equal(block, torch.cat(singles, dim=1))
 
 
-def matmul_costs(dtype: torch.dtype, hidden: int = 576, intermediate: int = 1536) -> dict[int, float]:
-    """Microseconds of the MLP's up and down products at each row count."""
-    up, down = torch.randn(intermediate, hidden, dtype=dtype), torch.randn(hidden, intermediate, dtype=dtype)
-    costs = {}
-    for rows in ROWS:
-        x, h = torch.randn(rows, hidden, dtype=dtype), torch.randn(rows, intermediate, dtype=dtype)
-        costs[rows] = 1e6 * median_seconds(lambda x=x, h=h: (F.linear(x, up), F.linear(h, down)))
-    return costs
-
-
-def plain_tokens_per_second(target, prompts, max_new_tokens: int = 64) -> float:
-    new, seconds = 0, 0.0
-    for prompt in prompts:
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = target.generate(prompt.input_ids[None], max_new_tokens=max_new_tokens, do_sample=False)
-        seconds += time.perf_counter() - start
-        new += out.shape[1] - prompt.input_ids.shape[0]
-    return new / seconds
+def measure(dtype: torch.dtype, setup: str, max_tokens: int) -> dict:
+    target, _ = load_target("smollm2-135m-instruct", dtype=dtype)
+    draft = DFlashForDrafting.from_pretrained(committed_drafter("smollm2-135m-instruct")).to(dtype).eval()
+    if setup != "stock":
+        preparation = optimize_for_cpu(target, exact=setup == "exact")
+        optimize_for_cpu(draft, choices=preparation.choices)
+    costs = measure_verify_costs(target, draft, 1, context_length=300, repeats=7, max_tokens=max_tokens)
+    return {
+        "one_token_ms": round(1000 * costs.verify[0], 2),
+        "relative": costs.relative(),
+        "draft_ms": round(1000 * costs.draft, 2),
+        "block_equals_single_tokens": block_equals_single_tokens(target),
+    }
 
 
 def main() -> None:
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
-    for dtype in (torch.float32, torch.bfloat16):
-        target, tokenizer = load_target("smollm2-135m-instruct", dtype=dtype)
-        draft = DFlashForDrafting.from_pretrained(committed_drafter("smollm2-135m-instruct")).to(dtype).eval()
-        with torch.no_grad():
-            costs = measure_verify_costs(target, draft, 1, repeats=9, max_tokens=8)
-        one = costs.verify[0]
-        products = matmul_costs(dtype)
-        prompts = load_benchmark_prompts(tokenizer, ["gsm8k"], 2)
-        speed = plain_tokens_per_second(target, prompts)
-        print(f"\n{str(dtype).removeprefix('torch.')}: plain decoding {speed:.1f} tok/s")
-        print("  forward over n tokens, ms (x one token):", end="")
-        print(", ".join(f" {n}: {1000 * t:.1f} ({t / one:.2f}x)" for n, t in enumerate(costs.verify, start=1)))
-        print("  MLP products at n rows, us (x one row):", end="")
-        print(", ".join(f" {n}: {t:.0f} ({t / products[1]:.2f}x)" for n, t in products.items()))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max_tokens", type=int, default=32)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    parser.add_argument("--output", default=None, help="also write the JSON report here")
+    args = parser.parse_args()
+    report = {
+        "conditions": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "processor": platform.processor() or platform.machine(),
+            "context_tokens": 300,
+        },
+        "results": {},
+    }
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        for setup in args.setups:
+            result = measure(dtype, setup, args.max_tokens)
+            report["results"][f"{name}/{setup}"] = result
+            shown = ", ".join(f"{n}: {r:.2f}x" for n, r in enumerate(result["relative"], 1) if n in (2, 4, 8, 16, 32))
+            print(
+                f"{name:8s} {setup:5s} one token {result['one_token_ms']:.1f} ms, draft {result['draft_ms']:.1f} ms; "
+                f"{shown}; block == single tokens: {result['block_equals_single_tokens']}"
+            )
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump(report, handle, indent=1)
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ out = hf_dflash.speculative_generate(target, draft, input_ids, mask, verify_cost
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dflash import DFlashConfig, default_target_layer_ids
+from .cpu_kernels import CPUPreparation, KernelChoices, is_optimized_for_cpu, optimize_for_cpu
 from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, enable_dflash_generate
 from .modeling_dflash import DFlashForDrafting, DFlashLayouts, choose_mask_token_id
 from .speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
@@ -23,6 +24,8 @@ DFlashConfig.register_for_auto_class()
 DFlashForDrafting.register_for_auto_class("AutoModel")
 
 __all__ = [
+    "CPUPreparation",
+    "KernelChoices",
     "DFlashCandidateGenerator",
     "DFlashConfig",
     "DFlashForDrafting",
@@ -34,6 +37,8 @@ __all__ = [
     "choose_mask_token_id",
     "default_target_layer_ids",
     "enable_dflash_generate",
+    "is_optimized_for_cpu",
     "measure_verify_costs",
+    "optimize_for_cpu",
     "speculative_generate",
 ]

@@ -12,6 +12,10 @@ Design:
   (every slot's argmax verified, as published); under sampling `ours_argmax` proposes the draft's argmax with a
   one-hot q beside `ours`'s samples of q. A method that cannot differ from another or cannot run in a setting
   (trees under sampling or on a target that cannot verify one) is left out and listed in `report["skipped_methods"]`;
+- with a `CPUPreparation` (`optimize_for_cpu` on the target and drafter), `plain` runs the prepared kernels and
+  `plain_stock` the stock ones (the preparation suspended for the call); both are baselines, the faster counts, and
+  the target's cost curve is recorded for both; `plain_stock`'s outputs are compared with `plain` too, but a
+  difference there (fp32 products summed in another order) is listed in `stock_differences`, not as a failure;
 - the baseline is plain decoding at its fastest thread count: `config.plain_threads` adds `plain_threads{n}`
   (`target.generate` at `torch.set_num_threads(n)`, restored afterwards), and every speedup of a dataset is computed
   against whichever plain variant has the higher median tokens/s there (`summary["baseline"]`, all their rates in
@@ -53,6 +57,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
+from .cpu_kernels import CPUPreparation
 from .generation_dflash import noise_block, pad_token_id_of, token_ids
 from .modeling_dflash import DFlashForDrafting
 from .speculative import SpeculativeStats, speculative_generate, synchronized_clock, tree_unsupported_reason
@@ -61,6 +66,7 @@ from .verify_policy import VerifyCosts, cached_verify_costs
 logger = logging.get_logger(__name__)
 
 BASELINE = "plain"
+STOCK_BASELINE = "plain_stock"  # plain decoding with the stock kernels, when the target was prepared for the CPU
 ALL_METHODS = (
     "plain",
     "prompt_lookup",
@@ -129,6 +135,12 @@ def _plain(target, draft, input_ids, attention_mask, **kwargs):
     return target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), None
 
 
+def _plain_stock(target, draft, input_ids, attention_mask, preparation: CPUPreparation, **kwargs):
+    """Plain decoding with the stock kernels: the target's preparation suspended for the call."""
+    with preparation.suspended():
+        return _plain(target, draft, input_ids, attention_mask, **kwargs)
+
+
 def _plain_with_threads(target, draft, input_ids, attention_mask, num_threads: int, **kwargs):
     """Plain decoding at `num_threads` torch threads; the thread count is restored afterwards."""
     default = torch.get_num_threads()
@@ -165,7 +177,9 @@ def _assisted(target, draft, input_ids, attention_mask, verify_costs: VerifyCost
 
 def _ours(target, draft, input_ids, attention_mask, verify_costs: VerifyCosts | str | None = None, **kwargs):
     costs = _resolve_costs(verify_costs, target, draft)
-    out = speculative_generate(target, draft, input_ids, attention_mask, verify_costs=costs, **kwargs)
+    out = speculative_generate(
+        target, draft, input_ids, attention_mask, verify_costs=costs, optimize_cpu=False, **kwargs
+    )
     return out.sequences[:, : input_ids.shape[1] + out.num_new_tokens[0]], out.stats
 
 
@@ -395,6 +409,7 @@ def run_benchmark(
     draft: PreTrainedModel,
     prompts: Sequence[BenchmarkPrompt] | None = None,
     methods: dict[str, Method] | None = None,
+    preparation: CPUPreparation | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark and return the report (a JSON-ready dict; see `render_table` for what it holds).
 
@@ -406,11 +421,16 @@ def run_benchmark(
         methods: name -> method table, default `default_methods(config.prompt_lookup_num_tokens,
             config.verify_costs)`, with `plain_thread_methods(config.plain_threads)` added where it has no entry of
             that name; every name in `config.methods` must be in it.
+        preparation: what `optimize_for_cpu` did to `target` (its drafter prepared alike); adds the `plain_stock`
+            baseline and the stock cost curve.
     """
     if methods is None:
         methods = default_methods(config.prompt_lookup_num_tokens, config.verify_costs)
     baselines = [BASELINE] + [plain_threads_name(n) for n in _extra_thread_counts(config.plain_threads)]
     methods = plain_thread_methods(config.plain_threads) | methods  # a caller's own entry wins
+    if preparation is not None and preparation.active:
+        baselines.append(STOCK_BASELINE)
+        methods = {STOCK_BASELINE: functools.partial(_plain_stock, preparation=preparation)} | methods
     names = list(dict.fromkeys([*baselines, *config.methods]))
     unknown = [m for m in names if m not in methods]
     if unknown:
@@ -430,6 +450,10 @@ def run_benchmark(
         generation_kwargs["pad_token_id"] = pad_token_id
 
     costs = benchmark_verify_costs(target, draft)  # untimed; the costed methods then plan from this object
+    stock_costs = None
+    if STOCK_BASELINE in baselines:
+        with preparation.suspended():
+            stock_costs = benchmark_verify_costs(target, draft)
     failed = _warm_up(target, draft, prompts[0], names, methods, generation_kwargs, config)
     names = [m for m in names if m not in failed]
     baselines = [m for m in baselines if m in names]
@@ -460,7 +484,9 @@ def run_benchmark(
                     bar.set_postfix_str(f"{prompt.id} {name} {len(tokens) / seconds:.1f} tok/s")
                     bar.update(1)
 
-    mismatches = [] if config.do_sample else find_mismatches(runs)
+    differences = [] if config.do_sample else find_mismatches(runs)
+    mismatches = [m for m in differences if m["method"] != STOCK_BASELINE]
+    stock_differences = [m for m in differences if m["method"] == STOCK_BASELINE]
     for mismatch in mismatches:
         logger.error(f"OUTPUT MISMATCH vs {BASELINE}: {mismatch}")
     per_prompt = _per_prompt(runs)
@@ -481,6 +507,10 @@ def run_benchmark(
     conditions["draft_cost_relative"] = round(costs.draft / costs.verify[0], 3)
     if config.verify_costs == "auto":
         conditions["verify_costs_relative"] = costs.relative()  # what `ours` planned from
+    conditions["cpu_kernels"] = preparation.summary() if preparation is not None else "stock"
+    if stock_costs is not None:
+        conditions["stock_target_forward_s"] = list(stock_costs.verify)
+        conditions["stock_target_forward_relative"] = stock_costs.relative()
     report = {
         "conditions": conditions,
         "config": asdict(config),
@@ -500,6 +530,7 @@ def run_benchmark(
         ],
         "identity_checked": not config.do_sample,
         "mismatches": mismatches,
+        "stock_differences": stock_differences,
         "datasets": summaries,
         "per_prompt": per_prompt,
     }
@@ -518,6 +549,7 @@ def run_benchmark(
             config.repeats,
             config.progress,
             config.verify_costs,
+            preparation if STOCK_BASELINE in baselines else None,
         )
     crashed = isinstance(report.get("batch"), dict)  # the batched path ran, but its outputs were never compared
     report["identical"] = not (failed or mismatches or _batch_mismatches(report) or crashed)
@@ -760,17 +792,20 @@ def measure_batch_throughput(
     repeats: int = 1,
     progress: bool = True,
     verify_costs: str | None = None,
+    preparation: CPUPreparation | None = None,
 ) -> list[dict[str, Any]]:
     """Tokens/s of batched `target.generate` vs batched `speculative_generate(..., verify_costs=verify_costs)` on
     left-padded batches of the first prompts (reused cyclically when there are fewer prompts than the batch size);
     `"auto"` costs are measured at each batch size in the untimed warm-up, and the last run's tau, verified nodes per
     round, tree rounds and plain steps are recorded. Each batch runs `repeats` times per path (median time);
     batches are padded and cut at EOS as the rest of the library does (`pad_token_id_of`, `token_ids`), with
-    `generation_kwargs` over `target.generation_config`."""
+    `generation_kwargs` over `target.generation_config`. With a `preparation`, batched plain decoding also runs
+    with the stock kernels and the speedup is against the faster plain."""
     if repeats < 1:
         raise ValueError(f"measure_batch_throughput needs repeats >= 1 timed runs per batch, got {repeats}; pass 1.")
     device = target.device
-    ours_kwargs = {"verify_costs": verify_costs}
+    ours_kwargs = {"verify_costs": verify_costs, "optimize_cpu": False}
+    plains = ("plain", STOCK_BASELINE) if preparation is not None else ("plain",)
     generation = copy.deepcopy(target.generation_config)
     generation.update(**generation_kwargs)
     pad, eos_ids = pad_token_id_of(generation), token_ids(generation.eos_token_id)
@@ -781,11 +816,15 @@ def measure_batch_throughput(
         warm = generation_kwargs | {"max_new_tokens": min(8, generation_kwargs["max_new_tokens"])}
         target.generate(input_ids=ids, attention_mask=mask, **warm)
         speculative_generate(target, draft, ids, mask, **warm, **ours_kwargs)
-        times: dict[str, list[float]] = {"plain": [], "ours": []}
+        times: dict[str, list[float]] = {name: [] for name in (*plains, "ours")}
         for repeat in range(repeats):
-            for name in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
+            order = (*plains, "ours")
+            for name in order if repeat % 2 == 0 else order[::-1]:
                 start = synchronized_clock(device)
-                if name == "plain":
+                if name == STOCK_BASELINE:
+                    with preparation.suspended():
+                        target.generate(input_ids=ids, attention_mask=mask, **generation_kwargs)
+                elif name == "plain":
                     generated = target.generate(input_ids=ids, attention_mask=mask, **generation_kwargs)
                     generated = generated[:, ids.shape[1] :]
                     plain_counts = count_new_tokens(generated, eos_ids)
@@ -797,7 +836,8 @@ def measure_batch_throughput(
                         row[ids.shape[1] : ids.shape[1] + n] for row, n in zip(out.sequences.tolist(), ours_counts)
                     ]
                 times[name].append(synchronized_clock(device) - start)
-        plain_rate = sum(plain_counts) / median(times["plain"])
+        plain_rates = {name: sum(plain_counts) / median(times[name]) for name in plains}
+        plain_rate = max(plain_rates.values())
         ours_rate = sum(ours_counts) / median(times["ours"])
         identical = plain_rows == ours_rows
         if not identical and not generation_kwargs.get("do_sample"):
@@ -807,6 +847,7 @@ def measure_batch_throughput(
                 "batch_size": batch_size,
                 "prompt_ids": [p.id for p in chosen],
                 "plain_tokens_per_s": plain_rate,
+                "plain_tokens_per_s_by_kernels": plain_rates,
                 "ours_tokens_per_s": ours_rate,
                 "speedup": ours_rate / plain_rate,
                 "plain_new_tokens": sum(plain_counts),
@@ -847,6 +888,14 @@ def render_table(report: dict[str, Any]) -> str:
             + ", ".join(f"{n}: {relative[n - 1]:.2f}" for n in shown if n <= len(relative))
             + f"; draft forward {c['draft_cost_relative']:.2f}"
         )
+    if "stock_target_forward_relative" in c:
+        relative, shown = c["stock_target_forward_relative"], (1, 2, 4, 8, 16, 17, 32)
+        lines.append(
+            f"... with stock kernels ({1000 * c['stock_target_forward_s'][0]:.1f} ms): "
+            + ", ".join(f"{n}: {relative[n - 1]:.2f}" for n in shown if n <= len(relative))
+        )
+    if "cpu_kernels" in c:
+        lines.append(f"CPU kernels: {c['cpu_kernels']}")
     full = [p["id"] for p in report["prompts"] if p["full_comparison"]]
     if len(full) < len(report["prompts"]):
         core = report["config"].get("core_methods", CORE_METHODS)
@@ -896,6 +945,11 @@ def render_table(report: dict[str, Any]) -> str:
     lines.append("")
     if not report["identity_checked"]:
         lines.append("outputs not compared (sampling)")
+    if report.get("stock_differences"):
+        lines.append(
+            f"plain_stock differs from prepared plain on {len(report['stock_differences'])} prompt(s) "
+            "(products summed in another order; not a failure)"
+        )
     if report["mismatches"]:
         lines.append(f"OUTPUT MISMATCHES vs plain: {len(report['mismatches'])}")
         lines += [f"  {m}" for m in report["mismatches"]]

@@ -44,6 +44,30 @@ def add_target_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--{field.name}", *aliases, default=field.default, help=field.metadata["help"])
 
 
+def add_cpu_kernel_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cpu_kernels",
+        choices=["fast", "exact", "off"],
+        default="fast",
+        help="prepare a CPU target and drafter with hf_dflash.optimize_for_cpu: fast (packed oneDNN linears, "
+        "attention without key/value copies: a forward over a block costs about one token), exact (also bitwise "
+        "equal to one-token forwards, so greedy outputs match plain decoding in any dtype; slower), off (stock)",
+    )
+
+
+def prepare_cpu_kernels(mode: str, target, draft=None):
+    """`optimize_for_cpu` on a CPU target (and drafter, fast) as `--cpu_kernels` says; the target's preparation."""
+    if mode == "off" or target.device.type != "cpu":
+        return None
+    from hf_dflash import optimize_for_cpu
+
+    preparation = optimize_for_cpu(target, exact=mode == "exact")
+    if draft is not None:
+        optimize_for_cpu(draft, choices=preparation.choices)
+    print(f"CPU kernels ({mode}): {preparation.summary()}")
+    return preparation
+
+
 def target_arguments(args: argparse.Namespace) -> TargetArguments:
     """The `TargetArguments` a command's parsed flags name."""
     return TargetArguments(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TargetArguments)})
@@ -70,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--max_new_tokens", type=int, default=64)
     demo.add_argument("--block_size", type=int, default=8, help="block size of a fresh drafter")
+    add_cpu_kernel_flag(demo)
     card = commands.add_parser("card", help="write or refresh the model card (README.md) of a drafter folder")
     card.add_argument("dir", help="drafter folder (config.json, optional training_info.json)")
     card.add_argument("--base_model", default=None, help="target repo id; default: from training_info.json")
@@ -146,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         help="`ours` and `assisted`: plan each round from the target's measured forward costs (auto: a tree, a chain "
         "or a plain step) or verify every proposal (all); ours_chain always plans from the measured costs",
     )
+    add_cpu_kernel_flag(bench)
     bench.add_argument("--output", default="bench.json", help="JSON report")
     bench.add_argument("--plot", default=None, help="PNG plot; default: next to --output")
     data = commands.add_parser("data", help="regenerate training responses with the target itself (resumable JSONL)")
@@ -161,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--temperature", type=float, default=1.0)
     data.add_argument("--top_p", type=float, default=1.0)
     data.add_argument("--seed", type=int, default=0)
+    add_cpu_kernel_flag(data)
     data.add_argument("--output", required=True, help="JSONL of records; rerun the same command to resume")
     data.add_argument(
         "--server_url",
@@ -215,6 +242,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         print("drafter: fresh and UNTRAINED (expect tau near 1 and no speed-up; the output is still the target's own)")
     print(f"target {args.target} on {target.device} in {str(target.dtype).removeprefix('torch.')}")
+    prepare_cpu_kernels(args.cpu_kernels, target, draft)
     messages = [{"role": "user", "content": args.prompt}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt").to(target.device)
@@ -230,7 +258,13 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         ours, ours_s = _timed(
             lambda: speculative_generate(
-                target, draft, inputs.input_ids, inputs.attention_mask, verify_costs=costs, **budget
+                target,
+                draft,
+                inputs.input_ids,
+                inputs.attention_mask,
+                verify_costs=costs,
+                optimize_cpu=False,
+                **budget,
             ),
             target.device,
         )
@@ -307,6 +341,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
     draft = loading.load_draft(args.draft, target, revision=args.draft_revision, base_draft=args.base_draft)
+    preparation = prepare_cpu_kernels(args.cpu_kernels, target, draft)
     defaults = benchmark.BenchmarkConfig()
     config = benchmark.BenchmarkConfig(
         datasets=tuple(args.datasets),
@@ -323,7 +358,7 @@ def run_bench(args: argparse.Namespace) -> int:
         batch_sizes=tuple(args.batch_sizes),
         verify_costs="auto" if args.verify == "auto" else None,
     )
-    report = benchmark.run_benchmark(config, target, tokenizer, draft)
+    report = benchmark.run_benchmark(config, target, tokenizer, draft, preparation=preparation)
     report["conditions"]["target"] = args.target
     report["conditions"]["target_adapter"] = args.target_adapter
     report["conditions"]["command"] = "hf-dflash " + " ".join(sys.argv[1:])
@@ -368,6 +403,7 @@ def run_data(args: argparse.Namespace) -> int:
     else:
         target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
         generation_config = target.generation_config
+        prepare_cpu_kernels(args.cpu_kernels, target)
     stop_ids = end_of_turn_ids(generation_config, tokenizer)
     prompts = training_prompts(
         args.source,

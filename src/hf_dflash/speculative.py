@@ -39,6 +39,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.utils import logging
 
+from .cpu_kernels import is_optimized_for_cpu, optimize_for_cpu
 from .draft_tree import (
     DraftTree,
     accept_greedy,
@@ -167,6 +168,7 @@ def speculative_generate(
     verify_costs: VerifyCosts | str | None = None,
     tree: bool | int | None = None,
     sample_proposals: bool = True,
+    optimize_cpu: bool = True,
     **generation_kwargs: Any,
 ) -> SpeculativeOutput:
     """Generate with `target`, drafting with the DFlash `draft`; the output is exactly the target's own.
@@ -192,6 +194,9 @@ def speculative_generate(
             without costs a fixed best-first tree of `N` nodes every round.
         sample_proposals: under sampling, propose samples of the draft distribution `q` (`True`) or its argmax with
             a one-hot `q` (`False`, as vLLM does by default); both are lossless, and acceptance differs.
+        optimize_cpu: a CPU target and drafter not prepared yet get `hf_dflash.optimize_for_cpu` (fast kernels, so a
+            verify forward over a block costs about one token), once: they stay prepared after the call, so plain
+            `target.generate` then runs the same kernels. `False` leaves both as they are.
 
     Returns:
         `SpeculativeOutput` with the sequences, the new-token counts and `SpeculativeStats` (tau, histogram, times).
@@ -199,6 +204,8 @@ def speculative_generate(
     config = _resolve_generation_config(target, generation_config, generation_kwargs)
     batch_size, prompt_len = input_ids.shape
     check_draft_fits_target(target, draft, batch_size, max_batch_size=None)
+    if optimize_cpu:
+        _prepare_for_cpu(target, draft)
     if streamer is not None and batch_size > 1:
         raise ValueError("A streamer can follow one sequence only; pass a batch of one, or no streamer.")
     if attention_mask is None:
@@ -226,6 +233,18 @@ def speculative_generate(
     if row_by_row:
         return _generate_row_by_row(setup, input_ids, attention_mask)
     return _decode(setup, input_ids, attention_mask, streamer)
+
+
+def _prepare_for_cpu(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """`optimize_for_cpu` on a CPU target and drafter that are not prepared yet (kernel choices measured once)."""
+    if target.device.type != "cpu" or is_optimized_for_cpu(target):
+        return
+    logger.info(
+        "speculative_generate: preparing the CPU target and drafter (optimize_for_cpu; optimize_cpu=False skips it)."
+    )
+    preparation = optimize_for_cpu(target)
+    if not is_optimized_for_cpu(draft):
+        optimize_for_cpu(draft, choices=preparation.choices)
 
 
 def _max_tree_nodes(target: PreTrainedModel, tree: bool | int | None, do_sample: bool, costed: bool) -> int:

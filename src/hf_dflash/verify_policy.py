@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
+from .cpu_kernels import is_optimized_for_cpu
 from .generation_dflash import context_features, noise_block, synchronized_clock
 
 logger = logging.get_logger(__name__)
@@ -199,10 +200,11 @@ def measure_verify_costs(
 def cached_verify_costs(
     target: PreTrainedModel, draft: PreTrainedModel, batch_size: int, max_tokens: int | None = None
 ) -> VerifyCosts:
-    """`measure_verify_costs` once per target and (block size, batch size, max tokens, device, dtype); then from
-    memory."""
+    """`measure_verify_costs` once per target and (block size, batch size, max tokens, device, dtype, kernels: whether
+    `optimize_for_cpu` prepared it and its attention implementation); then from memory."""
     max_tokens = max_tokens or draft.config.block_size
-    key = (draft.config.block_size, batch_size, max_tokens, str(target.device), str(target.dtype))
+    kernels = (is_optimized_for_cpu(target), target.config._attn_implementation)
+    key = (draft.config.block_size, batch_size, max_tokens, str(target.device), str(target.dtype), kernels)
     per_target = _MEASURED.setdefault(target, {})
     if key not in per_target:
         per_target[key] = measure_verify_costs(target, draft, batch_size, max_tokens=max_tokens)

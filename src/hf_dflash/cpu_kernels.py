@@ -1,0 +1,382 @@
+"""CPU kernels that make a forward over a block cost about what one token costs, and optionally exactly the same.
+
+On x86 CPUs torch sends an fp32 `F.linear` to MKL's sgemm, whose small-M kernels (2-8 rows) cost 3-4x the 1-row
+product, so verifying a block of drafts costs 1.6-1.9x a plain decoding step and speculative decoding buys nothing.
+torch's own oneDNN ops with a prepacked weight (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`,
+what inductor emits for frozen CPU linears) cost about the same for 1 to 16 rows.
+
+`optimize_for_cpu(model)` swaps the class of every CPU `nn.Linear` (PEFT's LoRA base layers included) for
+`PreparedLinear`, which routes each call to the stock or the packed kernel by its row count, as measured once per
+weight shape on the running CPU (`KernelChoices`). Parameters are not touched: `state_dict()` and
+`save_pretrained()` write the original weights, linears that share a weight (a tied head used by target and drafter)
+share one packed copy, a weight changed in place (training, a merged adapter) is packed again, and
+`CPUPreparation.undo()` restores the stock modules. A model on transformers' default `sdpa` attention also switches to
+`"sdpa_gqa"` (`hf_dflash.cpu_attention`), which skips the key/value head copies sdpa makes for multi-token forwards.
+Accelerator models are left as they are.
+
+With `exact=True` a forward over `k` tokens gives per-token logits bitwise equal to `k` one-token forwards of the same
+prepared model, so greedy speculative decoding is token-identical to plain decoding in any dtype:
+
+- every linear uses one kernel for every row count, a kernel checked to be row-invariant on this CPU for that shape
+  (a row's result does not depend on how many rows share the call), and a 1-row input is padded to 2 rows (the
+  1-row kernels are gemv-like and sum in another order);
+- attention goes through `"row_invariant"` (`hf_dflash.cpu_attention`, registered with transformers'
+  `AttentionInterface`), whose reduction order depends on neither the number of query rows nor the key count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.utils import logging
+
+from .cpu_attention import EXACT_ATTENTION, FAST_ATTENTION, register_cpu_attention
+
+logger = logging.get_logger(__name__)
+
+MEASURED_ROWS = (1, 2, 4, 8, 16, 32)  # row counts timed per weight shape; others use the next measured count up
+# row counts exact mode checks against the padded 2-row product (block sizes, trees of 16 + 1, batches of them)
+INVARIANCE_ROWS = (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64, 68)
+
+
+# -- the two kernels -------------------------------------------------------------------------------------------------
+
+
+def packed_kernels_available() -> bool:
+    """Whether this torch build has the oneDNN linear ops (`mkldnn._reorder_linear_weight`, `_linear_pointwise`)."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight `[out, in]` in oneDNN's blocked layout (a prepack hint of 2 rows: row-invariant from 2 rows up)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with the packed weight; `x` `[..., in]` -> `[..., out]`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pad_to_two_rows(x: torch.Tensor) -> torch.Tensor:
+    """`[1, ..., 1, in]` -> `[2, in]`: the row twice, so a 1-row product takes the multi-row kernel."""
+    row = x.reshape(1, x.shape[-1])
+    return torch.cat([row, row])
+
+
+# -- measured choices ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    """What a prepared linear of one weight shape does: which row counts go to the packed kernel (`packed_rows[i]`
+    for `MEASURED_ROWS[i]`), and whether 1-row inputs are padded to 2 rows (exact mode)."""
+
+    packed_rows: tuple[bool, ...]
+    pad_single_row: bool = False
+
+    def uses_packed(self, rows: int) -> bool:
+        for measured, packed in zip(MEASURED_ROWS, self.packed_rows):
+            if rows <= measured:
+                return packed
+        return self.packed_rows[-1]
+
+    @property
+    def uses_any_packed(self) -> bool:
+        return any(self.packed_rows)
+
+
+@dataclass
+class KernelChoices:
+    """Kernel choices per weight shape `(out, in, dtype, exact)`, measured on first use and then kept. Pass one
+    object to several `optimize_for_cpu` calls (target and drafter) to measure each shape once."""
+
+    repeats: int = 5
+    threads: int = field(default_factory=torch.get_num_threads)
+    choices: dict[tuple, LinearKernel] = field(default_factory=dict)
+    timings_us: dict[tuple, dict[str, list[float]]] = field(default_factory=dict)  # for reports
+
+    def choose(self, weight: torch.Tensor, exact: bool) -> LinearKernel:
+        key = (*weight.shape, str(weight.dtype), exact)
+        if key not in self.choices:
+            self.choices[key] = self._measure(weight, exact)
+        return self.choices[key]
+
+    def _measure(self, weight: torch.Tensor, exact: bool) -> LinearKernel:
+        packed = _try_pack(weight)
+        x = torch.randn(
+            MEASURED_ROWS[-1], weight.shape[1], dtype=weight.dtype, generator=torch.Generator().manual_seed(0)
+        )
+        stock_us = [_median_us(lambda rows=rows: F.linear(x[:rows], weight), self.repeats) for rows in MEASURED_ROWS]
+        packed_us = (
+            [
+                _median_us(lambda rows=rows: packed_linear(x[:rows], packed, None), self.repeats)
+                for rows in MEASURED_ROWS
+            ]
+            if packed is not None
+            else None
+        )
+        self.timings_us[(*weight.shape, str(weight.dtype))] = {"stock": stock_us, "packed": packed_us}
+        if not exact:
+            per_rows = tuple(packed_us is not None and p < s for p, s in zip(packed_us or stock_us, stock_us))
+            return LinearKernel(per_rows)
+        return LinearKernel(self._exact_choice(weight, packed, stock_us, packed_us), pad_single_row=True)
+
+    def _exact_choice(self, weight, packed, stock_us, packed_us) -> tuple[bool, ...]:
+        """One kernel for all row counts: the faster (over the multi-row counts) of those checked row-invariant."""
+        candidates = []
+        if packed is not None and _row_invariant(lambda x: packed_linear(x, packed, None), weight):
+            candidates.append((sum(packed_us[1:]), True))
+        if _row_invariant(lambda x: F.linear(x, weight), weight):
+            candidates.append((sum(stock_us[1:]), False))
+        if not candidates:
+            raise RuntimeError(
+                f"optimize_for_cpu(exact=True): no linear kernel of this torch build is row-invariant for a "
+                f"{tuple(weight.shape)} {weight.dtype} weight on this CPU, so a block forward cannot match one-token "
+                "forwards bitwise. Use exact=False (greedy outputs then match plain decoding except where logits tie "
+                "within rounding), or another dtype."
+            )
+        return (min(candidates)[1],) * len(MEASURED_ROWS)
+
+
+def _try_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed weight, or `None` (logged) where this torch or CPU cannot pack or run it."""
+    if not packed_kernels_available():
+        _log_fallback_once("this torch build has no oneDNN linear ops")
+        return None
+    try:
+        packed = pack_weight(weight)
+        packed_linear(torch.zeros(2, weight.shape[1], dtype=weight.dtype), packed, None)
+        return packed
+    except RuntimeError as error:  # e.g. bf16 packing needs avx512bw/avx_ne_convert
+        _log_fallback_once(f"oneDNN cannot pack a {weight.dtype} weight here ({str(error).splitlines()[0]})")
+        return None
+
+
+@functools.cache
+def _log_fallback_once(reason: str) -> None:
+    logger.warning(f"optimize_for_cpu: stock kernels for these linears, because {reason}.")
+
+
+def _median_us(run, repeats: int) -> float:
+    run()  # warm-up (first-call allocation, oneDNN primitive creation)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1e6 * sorted(times)[len(times) // 2]
+
+
+def _row_invariant(product, weight: torch.Tensor) -> bool:
+    """Whether the first rows of `product` over each of `INVARIANCE_ROWS` rows equal, bitwise, each row alone padded
+    to two rows."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(max(INVARIANCE_ROWS), weight.shape[1], generator=generator).to(weight.dtype)
+    alone = torch.stack([product(pad_to_two_rows(row))[0] for row in x[:8]])  # [8, out]
+    return all(torch.equal(product(x[:rows])[: min(rows, 8)], alone[: min(rows, 8)]) for rows in INVARIANCE_ROWS)
+
+
+# -- the prepared module ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedWeight:
+    """A weight's packed copy and the `weight._version` it was packed from (shared by linears that share a weight)."""
+
+    packed: torch.Tensor | None
+    version: int
+
+    def current(self, weight: torch.Tensor) -> torch.Tensor | None:
+        if weight._version != self.version and self.packed is not None:  # changed in place: pack again
+            self.packed, self.version = pack_weight(weight), weight._version
+        return self.packed
+
+
+class PreparedLinear(nn.Linear):
+    """An `nn.Linear` that routes each call to the stock or the packed kernel (`CPUPreparation` sets its class and
+    its two attributes; `undo` resets them). Parameters and `state_dict` are the stock module's own."""
+
+    kernel: LinearKernel
+    packed_weight: PackedWeight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.device.type != "cpu"
+            or x.dtype != self.weight.dtype
+            or (torch.is_grad_enabled() and self.weight.requires_grad)
+        ):
+            return F.linear(x, self.weight, self.bias)  # moved off the CPU, autocast, or training: stock
+        rows = x.numel() // x.shape[-1]
+        if rows == 1 and self.kernel.pad_single_row:
+            return self._product(pad_to_two_rows(x), 2)[:1].reshape(*x.shape[:-1], -1)
+        return self._product(x, rows)
+
+    def _product(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.kernel.uses_packed(rows):
+            return packed_linear(x, self.packed_weight.current(self.weight), self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+# -- preparing a model -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CPUPreparation:
+    """What `optimize_for_cpu` did to one model, and how to undo it (`undo`)."""
+
+    model: nn.Module
+    exact: bool
+    choices: KernelChoices
+    linears: list[nn.Linear] = field(default_factory=list)  # the modules whose class was swapped
+    attention: str | None = None  # the attention implementation set, if any
+    previous_attention: str | None = None  # ... and the one it replaced
+    packed_bytes: int = 0  # memory the packed copies add
+
+    @property
+    def active(self) -> bool:
+        return bool(self.linears) or self.attention is not None
+
+    def undo(self) -> None:
+        """Restore stock linears and the previous attention implementation."""
+        for linear in self.linears:
+            linear.__class__ = nn.Linear
+            del linear.kernel, linear.packed_weight
+        self.linears = []
+        if self.attention is not None:
+            self.model.set_attn_implementation(self.previous_attention)
+            self.attention = self.previous_attention = None
+        self.packed_bytes = 0
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Run the stock kernels inside the block (the benchmark's stock baseline), the prepared ones after it."""
+        for linear in self.linears:
+            linear.__class__ = nn.Linear
+        if self.attention is not None:
+            self.model.set_attn_implementation(self.previous_attention)
+        try:
+            yield
+        finally:
+            for linear in self.linears:
+                linear.__class__ = PreparedLinear
+            if self.attention is not None:
+                self.model.set_attn_implementation(self.attention)
+
+    def summary(self) -> str:
+        packed = sum(linear.kernel.uses_any_packed for linear in self.linears)
+        mode = "exact" if self.exact else "fast"
+        return (
+            f"{len(self.linears)} linears prepared ({mode}), {packed} of them packed for some row counts "
+            f"(+{self.packed_bytes / 2**20:.0f} MiB)"
+            + (f", attention '{self.attention}'" if self.attention is not None else "")
+        )
+
+
+def optimize_for_cpu(model: nn.Module, exact: bool = False, choices: KernelChoices | None = None) -> CPUPreparation:
+    """Prepare a CPU model (a target, or a DFlash drafter) so that a forward over a block costs about one token.
+
+    Args:
+        model: any `PreTrainedModel` (PEFT-wrapped ones too). A model on an accelerator is returned unprepared.
+        exact: also make a forward over `k` tokens give logits bitwise equal to `k` one-token forwards (see the module
+            docstring); greedy speculative decoding is then token-identical to plain decoding with the same
+            preparation in any dtype. Costs more per verify forward (`benchmarks/probe_forward_rows.py`).
+        choices: measured kernel choices to reuse (`CPUPreparation.choices` of a model prepared before).
+
+    Returns:
+        a `CPUPreparation`; `.undo()` restores the stock model. Kernels missing from this torch build (or unable to
+        pack this dtype on this CPU) are logged once and the stock kernel is kept.
+    """
+    choices = choices or KernelChoices()
+    preparation = CPUPreparation(model, exact, choices)
+    if _on_accelerator(model):
+        logger.info("optimize_for_cpu: the model is not on the CPU; left as it is.")
+        return preparation
+    if any(isinstance(module, PreparedLinear) for module in model.modules()):
+        raise ValueError("optimize_for_cpu: this model is already prepared; call .undo() on its preparation first.")
+    packed_by_weight: dict[int, PackedWeight] = {}
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            _prepare_linear(module, preparation, packed_by_weight)
+    if exact:
+        _check_other_products(model)
+    _switch_attention(model, preparation)
+    logger.info(f"optimize_for_cpu: {preparation.summary()}")
+    return preparation
+
+
+def _prepare_linear(linear: nn.Linear, preparation: CPUPreparation, packed_by_weight: dict[int, PackedWeight]) -> None:
+    kernel = preparation.choices.choose(linear.weight, preparation.exact)
+    key = id(linear.weight)
+    if key not in packed_by_weight:  # tied weights share one packed copy
+        packed = pack_weight(linear.weight) if kernel.uses_any_packed else None
+        packed_by_weight[key] = PackedWeight(packed, linear.weight._version)
+        preparation.packed_bytes += linear.weight.numel() * linear.weight.element_size() if packed is not None else 0
+    elif kernel.uses_any_packed and packed_by_weight[key].packed is None:
+        packed_by_weight[key].packed = pack_weight(linear.weight)
+    linear.__class__ = PreparedLinear
+    linear.kernel, linear.packed_weight = kernel, packed_by_weight[key]
+    preparation.linears.append(linear)
+
+
+def _check_other_products(model: nn.Module) -> None:
+    """Exact mode: products this module does not prepare (transformers' `Conv1D`, GPT-2's) must be row-invariant
+    with the stock kernel on this CPU, else a block forward cannot match one-token forwards."""
+    for name, module in model.named_modules():
+        if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+            weight, bias = module.weight, module.bias  # [in, out]
+            if not _row_invariant(lambda x, w=weight, b=bias: torch.addmm(b, x, w), weight.t()):
+                raise ValueError(
+                    f"optimize_for_cpu(exact=True): {name} is a Conv1D whose {weight.dtype} product is not "
+                    "row-invariant on this CPU, so a block forward cannot match one-token forwards bitwise. Use "
+                    "exact=False, or bfloat16 (row-invariant here)."
+                )
+
+
+def _on_accelerator(model: nn.Module) -> bool:
+    return any(parameter.device.type != "cpu" for parameter in model.parameters())
+
+
+def _switch_attention(model: nn.Module, preparation: CPUPreparation) -> None:
+    """Exact mode: `"row_invariant"` attention (required). Fast mode: `"sdpa_gqa"` where the model uses transformers'
+    default `"sdpa"` (an explicit choice such as `"eager"` is kept)."""
+    if not hasattr(model, "set_attn_implementation"):
+        if preparation.exact:
+            raise ValueError(
+                "optimize_for_cpu(exact=True) needs a transformers PreTrainedModel (set_attn_implementation)."
+            )
+        return
+    previous = model.config._attn_implementation
+    wanted = EXACT_ATTENTION if preparation.exact else FAST_ATTENTION if previous == "sdpa" else None
+    if wanted is None:
+        return
+    register_cpu_attention()
+    model.set_attn_implementation(wanted)
+    preparation.attention, preparation.previous_attention = wanted, previous
+
+
+def is_optimized_for_cpu(model: nn.Module) -> bool:
+    """Whether `optimize_for_cpu` prepared any linear of `model` (and it was not undone)."""
+    return any(isinstance(module, PreparedLinear) for module in model.modules())
+
+
+__all__ = [
+    "CPUPreparation",
+    "KernelChoices",
+    "LinearKernel",
+    "PreparedLinear",
+    "is_optimized_for_cpu",
+    "optimize_for_cpu",
+    "packed_kernels_available",
+]

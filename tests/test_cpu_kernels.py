@@ -1,0 +1,306 @@
+"""`optimize_for_cpu`: packed linears chosen by measurement, exact mode (row-invariant linears and attention), and
+that a prepared model is still the same model (saved weights, tied heads, LoRA, undo, accelerators, fallbacks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import PAD, greedy_reference, left_pad, make_target
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from test_draft_tree import tree_oracle
+from test_generation import random_prompt
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from hf_dflash import cpu_kernels, is_optimized_for_cpu, optimize_for_cpu, speculative_generate
+from hf_dflash.cpu_attention import EXACT_ATTENTION, FAST_ATTENTION, exact_attention_forward
+from hf_dflash.cpu_kernels import MEASURED_ROWS, KernelChoices, LinearKernel, PreparedLinear
+
+DTYPES = [torch.float32, torch.bfloat16]
+SLIDING = {"mistral", "gemma2", "gemma3"}  # verify chains only (trees would break their windows)
+EXACT_FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gpt_neox", "opt", "mistral", "gemma3"]
+
+
+def forced(packed: bool) -> KernelChoices:
+    """Kernel choices that answer `packed` for every shape, instead of measuring (deterministic tests)."""
+
+    class Forced(KernelChoices):
+        def choose(self, weight, exact):
+            return LinearKernel((packed,) * len(MEASURED_ROWS), pad_single_row=exact)
+
+    return Forced()
+
+
+# -- row invariance ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_linears_give_a_row_the_same_bits_alone_or_among_up_to_16(dtype):
+    target = make_target("llama", dtype=dtype)
+    optimize_for_cpu(target, exact=True)
+    for linear in (target.model.layers[0].mlp.down_proj, target.model.layers[0].self_attn.q_proj, target.lm_head):
+        x = torch.randn(16, linear.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+        with torch.no_grad():
+            alone = torch.cat([linear(x[i : i + 1]) for i in range(16)])
+            for rows in range(1, 17):
+                assert torch.equal(linear(x[:rows]), alone[:rows]), (linear, rows)
+
+
+def _attention(query, key, value, mask=None):
+    with torch.no_grad():
+        return exact_attention_forward(nn.Module(), query, key, value, mask)[0]  # [b, q, h, d]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (4, 4, 16)])
+def test_exact_attention_rows_match_one_query_calls_for_1_to_16_rows(dtype, heads, kv_heads, head_dim):
+    generator = torch.Generator().manual_seed(heads)
+    for num_keys in (20, 64, 79, 130):
+        for num_queries in (1, 2, 5, 16):
+            query = torch.randn(1, heads, num_queries, head_dim, generator=generator).to(dtype)
+            key, value = (torch.randn(1, kv_heads, num_keys, head_dim, generator=generator).to(dtype) for _ in "kv")
+            block = _attention(query, key, value)
+            for row in range(num_queries):
+                visible = num_keys - num_queries + row + 1  # causal: the keys up to the row's own
+                alone = _attention(query[:, :, row : row + 1], key[:, :, :visible], value[:, :, :visible])
+                assert torch.equal(block[:, row], alone[:, 0]), (num_keys, num_queries, row)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_attention_sees_through_holes_padding_and_tree_masks(dtype):
+    """A row whose allowed keys sit among masked slots (a ragged batch's holes, left padding, a tree's siblings) gets
+    the bits of the same keys side by side."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 3, 16, generator=generator).to(dtype)
+    key, value = (torch.randn(1, 2, 90, 16, generator=generator).to(dtype) for _ in "kv")
+    mask = torch.ones(1, 1, 3, 90, dtype=torch.bool)
+    mask[..., :5] = False  # left padding
+    mask[..., 40:43] = False  # a hole a shorter accepted path left
+    # a tree of the bonus (slot 87) and its two children (88, 89), siblings that do not see each other
+    mask[0, 0, 0, 88:] = False
+    mask[0, 0, 1, 89] = False
+    mask[0, 0, 2, 88] = False
+    block = _attention(query, key, value, mask)
+    for row in range(3):
+        keep = mask[0, 0, row]
+        alone = _attention(query[:, :, row : row + 1], key[:, :, keep], value[:, :, keep])
+        assert torch.equal(block[:, row], alone[:, 0]), row
+
+
+def _block_and_single_token_logits(target, context: int = 70, new: int = 9):
+    """Logits `[1, new, V]` of one forward over `new` tokens after `context`, and of `new` one-token forwards."""
+    ids = torch.randint(0, PAD, (1, context + new), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()  # sliding-window layers crop back
+    with torch.no_grad():
+        target(input_ids=ids[:, :context], cache=cache, use_cache=True)
+        block = target(input_ids=ids[:, context:], cache=cache, use_cache=True).logits
+        cache.crop(-new)
+        singles = [
+            target(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits
+            for i in range(context, context + new)
+        ]
+    return block, torch.cat(singles, dim=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", EXACT_FAMILIES)
+def test_exact_block_forward_logits_equal_one_token_forwards_bitwise(family, dtype):
+    target = make_target(family, dtype=dtype)
+    optimize_for_cpu(target, exact=True)
+    block, singles = _block_and_single_token_logits(target)
+    assert torch.equal(block, singles)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stock_kernels_do_not_give_those_bits_the_control(dtype):
+    target = make_target("llama", dtype=dtype)
+    target.set_attn_implementation("sdpa")
+    block, singles = _block_and_single_token_logits(target)
+    assert not torch.equal(block, singles)
+
+
+# -- token identity ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", EXACT_FAMILIES)
+def test_exact_mode_bf16_greedy_is_token_identical_on_both_paths(family):
+    """bf16 rounds a block forward's logits differently from one-token forwards with stock kernels; exact mode
+    makes greedy speculative decoding (trees, chains, `generate(assistant_model=...)`) plain decoding's tokens."""
+    target = make_target(family, dtype=torch.bfloat16)
+    optimize_for_cpu(target, exact=True)
+    prompt = random_prompt(12, seed=4)
+    reference = greedy_reference(target, prompt, 50)
+    tree = False if family in SLIDING else 16
+    draft = tree_oracle(target, [reference], 0.3, 0.1).to(torch.bfloat16)
+    ours = speculative_generate(target, draft, prompt[None], max_new_tokens=50, tree=tree)
+    assert ours.sequences[0].tolist() == reference.tolist()
+    assert ours.stats.tau > 1.5
+    chain = tree_oracle(target, [reference], 0.0, 0.2).to(torch.bfloat16)
+    with torch.no_grad():
+        assisted = target.generate(prompt[None], assistant_model=chain, max_new_tokens=50, do_sample=False)
+    assert assisted[0].tolist() == reference.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_mode_ragged_batches_match_each_row_alone(dtype):
+    target = make_target("qwen3", dtype=dtype)
+    optimize_for_cpu(target, exact=True)
+    prompts = [random_prompt(length, seed=length) for length in (3, 17, 9)]
+    references = [greedy_reference(target, p, 30) for p in prompts]
+    input_ids, mask = left_pad(prompts)
+    draft = tree_oracle(target, references, 0.3, 0.2).to(dtype)
+    draft.references = [
+        torch.cat([torch.full((input_ids.shape[1] - len(p),), PAD), r]) for p, r in zip(prompts, references)
+    ]
+    out = speculative_generate(target, draft, input_ids, mask, max_new_tokens=30, tree=16)
+    with torch.no_grad():
+        plain = target.generate(input_ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
+    width = input_ids.shape[1]
+    for row, (prompt, reference) in enumerate(zip(prompts, references)):
+        new = reference[len(prompt) :].tolist()
+        assert out.sequences[row, width:].tolist() == new
+        assert plain[row, width:].tolist() == new
+    assert out.stats.tree_rounds > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3"])
+def test_fast_mode_fp32_is_lossless_against_plain_decoding_on_the_same_kernels(family):
+    target = make_target(family)
+    preparation = optimize_for_cpu(target, choices=forced(True))
+    assert preparation.active and all(isinstance(m, PreparedLinear) for m in preparation.linears)
+    prompt = random_prompt(20, seed=3)
+    reference = greedy_reference(target, prompt, 40)
+    draft = tree_oracle(target, [reference], 0.3, 0.1)
+    out = speculative_generate(target, draft, prompt[None], max_new_tokens=40, tree=16)
+    assert out.sequences[0].tolist() == reference.tolist()
+
+
+def test_speculative_generate_prepares_a_cpu_target_once_unless_told_not_to():
+    target = make_target("llama")
+    draft = tree_oracle(target, [greedy_reference(target, random_prompt(8, 1), 10)], 0.0, 0.0)
+    speculative_generate(target, draft, random_prompt(8, 1)[None], max_new_tokens=10, optimize_cpu=False)
+    assert not is_optimized_for_cpu(target)
+    speculative_generate(target, draft, random_prompt(8, 1)[None], max_new_tokens=10)
+    assert is_optimized_for_cpu(target) and is_optimized_for_cpu(draft)
+    modules = [type(m) for m in target.modules()]
+    speculative_generate(target, draft, random_prompt(8, 1)[None], max_new_tokens=10)  # prepared once, kept
+    assert [type(m) for m in target.modules()] == modules
+
+
+# -- the same model ----------------------------------------------------------------------------------------------------
+
+
+def test_saved_weights_are_the_originals_and_the_head_stays_tied(tmp_path):
+    target = make_target("llama")
+    target.config.tie_word_embeddings = True
+    target.tie_weights()
+    original = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    preparation = optimize_for_cpu(target, choices=forced(True))
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    assert list(target.state_dict()) == list(original)
+    target.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, original[name]), name
+    head_bytes = target.lm_head.weight.numel() * 4
+    assert preparation.packed_bytes >= head_bytes
+
+
+def test_linears_sharing_a_weight_share_one_packed_copy():
+    model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(32, 48, bias=False))
+    model[1].weight = model[0].weight
+    preparation = optimize_for_cpu(model, choices=forced(True))
+    assert model[0].packed_weight is model[1].packed_weight
+    assert preparation.packed_bytes == 32 * 48 * 4
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    model = nn.Sequential(nn.Linear(32, 48))
+    optimize_for_cpu(model, choices=forced(True))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        model[0].weight.mul_(-2.0)
+        assert torch.allclose(model(x), nn.functional.linear(x, model[0].weight, model[0].bias), atol=1e-5)
+
+
+def test_undo_restores_stock_modules_attention_and_bits():
+    target = make_target("llama")
+    target.set_attn_implementation("sdpa")
+    ids = random_prompt(9, seed=2)[None]
+    with torch.no_grad():
+        stock = target(ids).logits
+    preparation = optimize_for_cpu(target, choices=forced(True))
+    assert target.config._attn_implementation == FAST_ATTENTION
+    with torch.no_grad():
+        assert torch.allclose(target(ids).logits, stock, atol=1e-4)
+    preparation.undo()
+    assert not is_optimized_for_cpu(target) and target.config._attn_implementation == "sdpa"
+    assert all(type(m) is not PreparedLinear for m in target.modules())
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, stock)
+    exact = optimize_for_cpu(target, exact=True)
+    assert target.config._attn_implementation == EXACT_ATTENTION
+    exact.undo()
+    assert target.config._attn_implementation == "sdpa"
+
+
+def test_a_lora_target_is_prepared_under_its_adapter_and_stays_lossless():
+    torch.manual_seed(0)
+    base = make_target("llama")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    target = get_peft_model(base, config).eval()
+    adapter_before = {k: v.clone() for k, v in target.state_dict().items() if "lora" in k}
+    optimize_for_cpu(target, exact=True)
+    q_proj = base.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, PreparedLinear)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in adapter_before.items())
+    prompt = random_prompt(10, seed=5)
+    reference = greedy_reference(target, prompt, 30)
+    draft = tree_oracle(base, [reference], 0.2, 0.1)
+    out = speculative_generate(target, draft, prompt[None], max_new_tokens=30, tree=16)
+    assert out.sequences[0].tolist() == reference.tolist()
+
+
+def test_models_off_the_cpu_are_left_as_they_are(device):
+    target = make_target("llama").to("meta" if device == "cpu" else device)
+    preparation = optimize_for_cpu(target)
+    assert not preparation.active and not is_optimized_for_cpu(target)
+
+
+def test_without_onednn_ops_the_stock_kernels_run_and_say_so(monkeypatch):
+    warnings = []
+    monkeypatch.setattr(cpu_kernels, "packed_kernels_available", lambda: False)
+    monkeypatch.setattr(cpu_kernels.logger, "warning", warnings.append)
+    cpu_kernels._log_fallback_once.cache_clear()
+    target = make_target("llama")
+    ids = random_prompt(9, seed=2)[None]
+    with torch.no_grad():
+        stock = target(ids).logits
+    preparation = optimize_for_cpu(target)
+    assert not any(linear.kernel.uses_any_packed for linear in preparation.linears)
+    assert any("no oneDNN linear ops" in message for message in warnings)
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, stock)
+
+
+def test_a_dtype_onednn_cannot_pack_falls_back_with_a_warning(monkeypatch):
+    warnings = []
+
+    def refuse(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: this path needs another CPU")
+
+    monkeypatch.setattr(cpu_kernels, "pack_weight", refuse)
+    monkeypatch.setattr(cpu_kernels.logger, "warning", warnings.append)
+    cpu_kernels._log_fallback_once.cache_clear()
+    preparation = optimize_for_cpu(make_target("qwen2"))
+    assert preparation.linears and not any(linear.kernel.uses_any_packed for linear in preparation.linears)
+    assert any("cannot pack" in message for message in warnings)
+
+
+def test_preparing_twice_is_refused_with_the_fix():
+    target = make_target("llama")
+    optimize_for_cpu(target)
+    with pytest.raises(ValueError, match="already prepared.*undo"):
+        optimize_for_cpu(target)
