@@ -92,18 +92,30 @@ def exact_attention_forward(
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ValueError(f"'{EXACT_ATTENTION}' attention does not support attention sinks; use exact=False.")
     batch, heads, num_queries, head_dim = query.shape
-    kv_heads, num_keys = key.shape[1], key.shape[2]
-    group = heads // kv_heads
-    group_padded, value_width = _aligned_widths(group, head_dim, query.element_size())
-    keep = allowed_keys(attention_mask, batch, num_queries, num_keys, key.device)  # [b, q, kv]
-    order, counts = compact_order(keep)  # [b, q, K] slot of each row's k-th allowed key, [b, q]
+    group_padded, value_width = _aligned_widths(heads // key.shape[1], head_dim, query.element_size())
+    keep = allowed_keys(attention_mask, batch, num_queries, key.shape[2], key.device)  # [b, q, kv]
+    counts = keep.sum(-1)  # [b, q]
     num_chunks = max(1, -(-int(counts.max()) // KEY_CHUNK))
-    chunk_keys = _gather_rows(key, order, num_chunks)  # [b, h_kv, q, n, C, d]
+    # one sequence, chains: each row's allowed keys are already first and in order, no gather needed
+    in_place = torch.equal(keep, torch.arange(keep.shape[-1], device=keep.device) < counts[..., None])
+    order = None if in_place else compact_order(keep)
+    chunk_keys = _rows_of_chunks(key, order, num_queries, num_chunks)  # [b, h_kv, q, n, C, d]
     # values, then a column of ones (the same product then also sums each row's probabilities, in the same order),
     # then zeros up to an aligned width
     ones = value.new_ones(*value.shape[:-1], 1)
     values = torch.cat([value, ones, value.new_zeros(*value.shape[:-1], value_width - head_dim - 1)], dim=-1)
-    chunk_values = _gather_rows(values, order, num_chunks)  # [b, h_kv, q, n, C, d']
+    chunk_values = _rows_of_chunks(values, order, num_queries, num_chunks)  # [b, h_kv, q, n, C, d']
+    probs = _chunk_probabilities(query, chunk_keys, counts, group_padded, scaling, softcap)  # [b, h_kv, q, n, C, g']
+    out = _weighted_values(probs, chunk_values, heads // key.shape[1], head_dim)  # [b, h_kv, q, g, d]
+    out = out.permute(0, 2, 1, 3, 4).reshape(batch, num_queries, heads, head_dim)
+    return out.to(query.dtype), None
+
+
+def _chunk_probabilities(query, chunk_keys, counts, group_padded: int, scaling, softcap) -> torch.Tensor:
+    """Unnormalised softmax weights `[b, h_kv, q, n, C, g']` (fp32) of each row's queries over its chunks of keys,
+    from one batched product of fixed-shape entries `[C, d] x [d, g']`."""
+    batch, kv_heads, num_queries, num_chunks, _, head_dim = chunk_keys.shape
+    group = query.shape[1] // kv_heads
     # [b, h_kv, q, n, d, g']: each row's queries of one kv head (zero-padded to g'), repeated for each chunk
     queries = query.view(batch, kv_heads, group, num_queries, head_dim).permute(0, 1, 3, 4, 2)
     queries = torch.nn.functional.pad(queries, (0, group_padded - group))
@@ -117,21 +129,27 @@ def exact_attention_forward(
     scores = scores * (head_dim**-0.5 if scaling is None else scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    in_row = torch.arange(num_chunks * KEY_CHUNK, device=key.device) < counts[..., None]  # [b, q, n * C]
+    in_row = torch.arange(num_chunks * KEY_CHUNK, device=scores.device) < counts[..., None]  # [b, q, n * C]
     scores = scores.masked_fill(~in_row.view(batch, 1, num_queries, num_chunks, KEY_CHUNK, 1), float("-inf"))
     row_max = scores.amax(dim=(3, 4), keepdim=True)  # exact in any order
     row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)  # a row with no key (padding) stays finite
-    probs = torch.exp(scores - row_max)  # [b, h_kv, q, n, C, g]
-    weights = _dense(probs.transpose(-1, -2).to(value.dtype).reshape(entries, group_padded, KEY_CHUNK))
+    return torch.exp(scores - row_max)
+
+
+def _weighted_values(probs: torch.Tensor, chunk_values: torch.Tensor, group: int, head_dim: int) -> torch.Tensor:
+    """`[b, h_kv, q, g, d]` (fp32): the probability-weighted values of each chunk (fixed-shape entries
+    `[g', C] x [C, d']`), added chunk by chunk in order, over the probabilities' sum (the ones column)."""
+    batch, kv_heads, num_queries, num_chunks, _, group_padded = probs.shape
+    value_width = chunk_values.shape[-1]
+    entries = batch * kv_heads * num_queries * num_chunks
+    weights = _dense(probs.transpose(-1, -2).to(chunk_values.dtype).reshape(entries, group_padded, KEY_CHUNK))
     partial = torch.bmm(weights, _dense(chunk_values.reshape(entries, KEY_CHUNK, value_width)))  # [E, g', d']
     partial = partial.view(batch, kv_heads, num_queries, num_chunks, group_padded, value_width)
     out = partial[:, :, :, 0].float()
     for chunk in range(1, num_chunks):  # one chunk at a time, in order
         out = out + partial[:, :, :, chunk].float()
     total = out[..., :group, head_dim : head_dim + 1].clamp(min=torch.finfo(out.dtype).tiny)  # [b, h_kv, q, g, 1]
-    out = out[..., :group, :head_dim] / total  # [b, h_kv, q, g, d]
-    out = out.permute(0, 2, 1, 3, 4).reshape(batch, num_queries, heads, head_dim)
-    return out.to(query.dtype), None
+    return out[..., :group, :head_dim] / total
 
 
 def _dense(entries: torch.Tensor) -> torch.Tensor:
@@ -169,25 +187,28 @@ def allowed_keys(mask: torch.Tensor | None, batch: int, num_queries: int, num_ke
     return (~blocked).expand(batch, num_queries, num_keys)
 
 
-def compact_order(keep: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """`keep` `[b, q, kv]` -> the slots of each row's allowed keys first, in cache order `[b, q, kv]`, and their
-    counts `[b, q]`."""
-    order = torch.argsort((~keep).to(torch.uint8), dim=-1, stable=True)
-    return order, keep.sum(-1)
+def compact_order(keep: torch.Tensor) -> torch.LongTensor:
+    """`keep` `[b, q, kv]` -> `[b, q, kv]`: the slots of each row's allowed keys first, in cache order."""
+    return torch.argsort((~keep).to(torch.uint8), dim=-1, stable=True)
 
 
-def _gather_rows(states: torch.Tensor, order: torch.LongTensor, num_chunks: int) -> torch.Tensor:
-    """`[b, h_kv, kv, d]` -> `[b, h_kv, q, n, C, d]`: each query row's allowed keys (or values) first, padded with
-    zeros to `n` chunks."""
+def _rows_of_chunks(
+    states: torch.Tensor, order: torch.LongTensor | None, num_queries: int, num_chunks: int
+) -> torch.Tensor:
+    """`[b, h_kv, kv, d]` -> `[b, h_kv, q, n, C, d]`: each query row's allowed keys (or values) first (`order`, or
+    already so when `None`), cut or padded with zeros to `n` chunks."""
     batch, kv_heads, num_keys, head_dim = states.shape
-    num_queries = order.shape[1]
     length = num_chunks * KEY_CHUNK
     if length > num_keys:  # pad with zero keys (masked by the counts)
         states = torch.cat([states, states.new_zeros(batch, kv_heads, length - num_keys, head_dim)], dim=2)
-        order = torch.cat([order, order.new_full((batch, num_queries, length - num_keys), num_keys)], dim=-1)
-    index = order[:, None, :, :length, None].expand(batch, kv_heads, num_queries, length, head_dim)
-    gathered = states[:, :, None].expand(-1, -1, num_queries, -1, -1).gather(3, index)
-    return gathered.view(batch, kv_heads, num_queries, num_chunks, KEY_CHUNK, head_dim)
+        if order is not None:
+            order = torch.cat([order, order.new_full((batch, num_queries, length - num_keys), num_keys)], dim=-1)
+    if order is None:  # the same keys for every row, in place: a view (one row) or one copy per row
+        rows = states[:, :, None, :length].expand(-1, -1, num_queries, -1, -1)
+    else:
+        index = order[:, None, :, :length, None].expand(batch, kv_heads, num_queries, length, head_dim)
+        rows = states[:, :, None].expand(-1, -1, num_queries, -1, -1).gather(3, index)
+    return rows.reshape(batch, kv_heads, num_queries, num_chunks, KEY_CHUNK, head_dim)
 
 
 def exact_attention_mask(*args, **kwargs):

@@ -100,8 +100,9 @@ class LinearKernel:
 
 @dataclass
 class KernelChoices:
-    """Kernel choices per weight shape `(out, in, dtype, exact)`, measured on first use and then kept. Pass one
-    object to several `optimize_for_cpu` calls (target and drafter) to measure each shape once."""
+    """Kernel choices per weight shape `(out, in, dtype, exact)`, measured on first use (at `threads` torch threads)
+    and then kept. Pass one object to several `optimize_for_cpu` calls (target and drafter) to measure each shape
+    once; measure again (a new object) after changing the thread count."""
 
     repeats: int = 3
     threads: int = field(default_factory=torch.get_num_threads)
@@ -170,6 +171,15 @@ def _try_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 @functools.cache
+def _log_autograd_once() -> None:
+    logger.warning(
+        "optimize_for_cpu: prepared linears run the stock kernels while autograd records (their oneDNN ops have no "
+        "backward), so neither their speed nor exact mode's bitwise match holds there. Generate under "
+        "torch.no_grad() (generate() does), or call model.requires_grad_(False) for inference."
+    )
+
+
+@functools.cache
 def _log_fallback_once(reason: str) -> None:
     logger.warning(f"optimize_for_cpu: stock kernels for these linears, because {reason}.")
 
@@ -225,12 +235,11 @@ class PreparedLinear(nn.Linear):
     packed_weight: PackedWeight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.device.type != "cpu"
-            or x.dtype != self.weight.dtype
-            or (torch.is_grad_enabled() and self.weight.requires_grad)
-        ):
-            return F.linear(x, self.weight, self.bias)  # moved off the CPU, autocast, or training: stock
+        if x.device.type != "cpu" or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)  # moved off the CPU, or autocast: stock
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            _log_autograd_once()  # the oneDNN ops have no backward
+            return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
         if rows == 1 and self.kernel.pad_single_row:
             return self._product(pad_to_two_rows(x), 2)[:1].reshape(*x.shape[:-1], -1)

@@ -557,7 +557,9 @@ class DFlashTrainer(Trainer):
         try:
             for prompt in self.acceptance_prompts:
                 prompt = prompt.to(self.target.device)
-                out = speculative_generate(self.target, draft, prompt, max_new_tokens=budget, do_sample=False)
+                out = speculative_generate(  # tau only: the drafter under training keeps its stock modules
+                    self.target, draft, prompt, max_new_tokens=budget, do_sample=False, optimize_cpu=False
+                )
                 lengths += out.stats.acceptance_lengths
         finally:
             draft.train(was_training)
