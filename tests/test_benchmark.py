@@ -8,6 +8,7 @@ from helpers import make_draft, make_target
 from hf_dflash import benchmark
 from hf_dflash.benchmark import (
     ALL_METHODS,
+    STOCK_BASELINE,
     BenchmarkConfig,
     BenchmarkPrompt,
     count_new_tokens,
@@ -326,13 +327,24 @@ def test_table_and_plot(report, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_path, target, draft):
-    from hf_dflash import cli, loading
+def _fresh_models(monkeypatch) -> None:
+    """The CLI loads a new tiny target and drafter each time (it prepares them for the CPU, as it would real ones)."""
+    from hf_dflash import loading
+
+    monkeypatch.setattr(loading, "load_target_and_tokenizer", lambda **arguments: (make_target("llama"), None))
+    monkeypatch.setattr(
+        loading, "load_draft", lambda path, target, **options: make_draft(target, block_size=4, num_hidden_layers=1)
+    )
+
+
+def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_path):
+    from hf_dflash import cli
 
     real_run = benchmark.run_benchmark
-    monkeypatch.setattr(loading, "load_target_and_tokenizer", lambda **arguments: (target, None))
-    monkeypatch.setattr(loading, "load_draft", lambda path, target, **options: draft)
-    monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:1]))
+    _fresh_models(monkeypatch)
+    monkeypatch.setattr(
+        benchmark, "run_benchmark", lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:1], **kwargs)
+    )
     output = tmp_path / "bench.json"
     argv = ["bench", "--draft", "unused", "--max-new-tokens", "6", "--methods", "ours", "--output", str(output)]
     argv += ["--draft-block-sizes", "--batch-sizes", "--plain-threads", str(OTHER_THREADS)]
@@ -341,25 +353,30 @@ def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_pat
     assert json.loads(last) == json.loads(output.read_text())
     assert json.loads(last)["config"]["methods"] == ["ours"]
     assert json.loads(last)["config"]["plain_threads"] == [OTHER_THREADS]
-    assert json.loads(last)["methods"] == ["plain", PLAIN_OTHER, "ours"]
+    assert json.loads(last)["methods"] == ["plain", PLAIN_OTHER, STOCK_BASELINE, "ours"]  # prepared: stock plain too
     assert output.with_suffix(".png").is_file()
 
     broken = dict(default_methods())
     broken["ours"] = lambda *args, **kwargs: (torch.zeros(1, 20, dtype=torch.long), None)
-    monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:1], methods=broken))
+    monkeypatch.setattr(
+        benchmark,
+        "run_benchmark",
+        lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:1], methods=broken, **kwargs),
+    )
     assert cli.main(argv) == 1
     assert "OUTPUT MISMATCHES" in capsys.readouterr().out
 
 
 @pytest.fixture
-def bench_cli(monkeypatch, tmp_path, target, draft):
-    """`hf-dflash bench ...options` on the tiny target and two prompts -> (exit code, the report it wrote)."""
-    from hf_dflash import cli, loading
+def bench_cli(monkeypatch, tmp_path):
+    """`hf-dflash bench ...options` on a tiny target and two prompts -> (exit code, the report it wrote)."""
+    from hf_dflash import cli
 
     real_run = benchmark.run_benchmark
-    monkeypatch.setattr(loading, "load_target_and_tokenizer", lambda **arguments: (target, None))
-    monkeypatch.setattr(loading, "load_draft", lambda path, target, **options: draft)
-    monkeypatch.setattr(benchmark, "run_benchmark", lambda *args: real_run(*args, prompts=PROMPTS[:2]))
+    _fresh_models(monkeypatch)
+    monkeypatch.setattr(
+        benchmark, "run_benchmark", lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:2], **kwargs)
+    )
     output = tmp_path / "bench.json"
 
     def run(*options: str) -> tuple[int, dict]:

@@ -289,6 +289,8 @@ def test_data_command_opts_out_of_an_evaluation_set_by_flag(target, tokenizer, t
         "2",
         "--output",
         str(output),
+        "--cpu_kernels",
+        "off",  # the module's shared target stays stock for the other tests
     ]
     package_logger = logging.getLogger("hf_dflash")
     handlers, level = list(package_logger.handlers), package_logger.level

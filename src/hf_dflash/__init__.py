@@ -4,6 +4,7 @@ draft = DFlashForDrafting.from_pretrained("path/to/drafter")          # or .from
 out = target.generate(**inputs, assistant_model=draft)                 # transformers' assisted decoding
 out = hf_dflash.speculative_generate(target, draft, input_ids, mask)   # our batched loop, with statistics
 out = hf_dflash.speculative_generate(target, draft, input_ids, mask, verify_costs="auto")  # on a CPU
+hf_dflash.optimize_for_cpu(target)   # CPU kernels for cheap block forwards (speculative_generate does it)
 """
 
 from transformers import AutoConfig, AutoModel
@@ -25,11 +26,11 @@ DFlashForDrafting.register_for_auto_class("AutoModel")
 
 __all__ = [
     "CPUPreparation",
-    "KernelChoices",
     "DFlashCandidateGenerator",
     "DFlashConfig",
     "DFlashForDrafting",
     "DFlashLayouts",
+    "KernelChoices",
     "SpeculativeOutput",
     "SpeculativeStats",
     "VerifyCosts",

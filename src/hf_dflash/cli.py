@@ -50,7 +50,7 @@ def add_cpu_kernel_flag(parser: argparse.ArgumentParser) -> None:
         choices=["fast", "exact", "off"],
         default="fast",
         help="prepare a CPU target and drafter with hf_dflash.optimize_for_cpu: fast (packed oneDNN linears, "
-        "attention without key/value copies: a forward over a block costs about one token), exact (also bitwise "
+        "attention without key/value copies: a forward over a block costs little more than one token), exact (also bitwise "
         "equal to one-token forwards, so greedy outputs match plain decoding in any dtype; slower), off (stock)",
     )
 

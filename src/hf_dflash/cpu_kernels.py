@@ -1,4 +1,5 @@
-"""CPU kernels that make a forward over a block cost about what one token costs, and optionally exactly the same.
+"""CPU kernels that make a forward over a block cost little more than one token, and optionally give it exactly the
+same per-token logits.
 
 On x86 CPUs torch sends an fp32 `F.linear` to MKL's sgemm, whose small-M kernels (2-8 rows) cost 3-4x the 1-row
 product, so verifying a block of drafts costs 1.6-1.9x a plain decoding step and speculative decoding buys nothing.
@@ -307,7 +308,8 @@ class CPUPreparation:
 
 
 def optimize_for_cpu(model: nn.Module, exact: bool = False, choices: KernelChoices | None = None) -> CPUPreparation:
-    """Prepare a CPU model (a target, or a DFlash drafter) so that a forward over a block costs about one token.
+    """Prepare a CPU model (a target, or a DFlash drafter) so that a forward over a block costs little more than one
+    token.
 
     Args:
         model: any `PreTrainedModel` (PEFT-wrapped ones too). A model on an accelerator is returned unprepared.

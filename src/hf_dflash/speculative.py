@@ -195,7 +195,7 @@ def speculative_generate(
         sample_proposals: under sampling, propose samples of the draft distribution `q` (`True`) or its argmax with
             a one-hot `q` (`False`, as vLLM does by default); both are lossless, and acceptance differs.
         optimize_cpu: a CPU target and drafter not prepared yet get `hf_dflash.optimize_for_cpu` (fast kernels, so a
-            verify forward over a block costs about one token), once: they stay prepared after the call, so plain
+            verify forward over a block costs little more than one token), once: they stay prepared after the call, so plain
             `target.generate` then runs the same kernels. `False` leaves both as they are.
 
     Returns:
