@@ -1,10 +1,11 @@
 """CPU kernels that make a forward over a block cost little more than one token, and optionally give it exactly the
 same per-token logits.
 
-On x86 CPUs torch sends an fp32 `F.linear` to MKL's sgemm, whose small-M kernels (2-8 rows) cost 3-4x the 1-row
-product, so verifying a block of drafts costs 1.6-1.9x a plain decoding step and speculative decoding buys nothing.
-torch's own oneDNN ops with a prepacked weight (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`,
-what inductor emits for frozen CPU linears) cost about the same for 1 to 16 rows.
+On x86 CPUs torch sends an fp32 `F.linear` to MKL's sgemm, whose small-M kernels (2-16 rows) cost 2-4x the 1-row
+product, so verifying a block of drafts costs 1.7-2.4x a plain decoding step (SmolLM2-135M, 2 cores) and
+speculative decoding buys nothing. torch's own oneDNN ops with a prepacked weight
+(`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`, what inductor emits for frozen CPU linears) cost
+about what the 1-row product costs up to about 8 rows (16 on AVX-512), when the weights come from memory.
 
 `optimize_for_cpu(model)` swaps the class of every CPU `nn.Linear` (PEFT's LoRA base layers included) for
 `PreparedLinear`, which routes each call to the stock or the packed kernel by its row count, as measured once per
