@@ -18,8 +18,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from transformers.cache_utils import DynamicCache
 
-from hf_dflash import DFlashForDrafting, optimize_for_cpu
+from hf_dflash import DFlashForDrafting
 from hf_dflash.cli import committed_drafter
+from hf_dflash.cpu_kernels import optimize_target_and_draft_for_cpu
 from hf_dflash.targets import load_target
 from hf_dflash.verify_policy import measure_verify_costs
 
@@ -44,8 +45,7 @@ def measure(dtype: torch.dtype, setup: str, max_tokens: int) -> dict:
     target, _ = load_target("smollm2-135m-instruct", dtype=dtype)
     draft = DFlashForDrafting.from_pretrained(committed_drafter("smollm2-135m-instruct")).to(dtype).eval()
     if setup != "stock":
-        preparation = optimize_for_cpu(target, exact=setup == "exact")
-        optimize_for_cpu(draft, choices=preparation.choices)
+        optimize_target_and_draft_for_cpu(target, draft, exact=setup == "exact")
     costs = measure_verify_costs(target, draft, 1, context_length=300, repeats=7, max_tokens=max_tokens)
     return {
         "one_token_ms": round(1000 * costs.verify[0], 2),

@@ -299,6 +299,13 @@ def test_a_dtype_onednn_cannot_pack_falls_back_with_a_warning(monkeypatch):
     assert any("cannot pack" in message for message in warnings)
 
 
+def test_a_failed_preparation_leaves_the_model_stock():
+    model = nn.Sequential(nn.Linear(32, 48))  # no set_attn_implementation: exact mode cannot switch its attention
+    with pytest.raises(ValueError, match="PreTrainedModel"):
+        optimize_for_cpu(model, exact=True)
+    assert type(model[0]) is nn.Linear and not hasattr(model[0], "kernel")
+
+
 def test_preparing_twice_is_refused_with_the_fix():
     target = make_target("llama")
     optimize_for_cpu(target)

@@ -59,11 +59,9 @@ def prepare_cpu_kernels(mode: str, target, draft=None):
     """`optimize_for_cpu` on a CPU target (and drafter, fast) as `--cpu_kernels` says; the target's preparation."""
     if mode == "off" or target.device.type != "cpu":
         return None
-    from hf_dflash import optimize_for_cpu
+    from hf_dflash.cpu_kernels import optimize_target_and_draft_for_cpu
 
-    preparation = optimize_for_cpu(target, exact=mode == "exact")
-    if draft is not None:
-        optimize_for_cpu(draft, choices=preparation.choices)
+    preparation = optimize_target_and_draft_for_cpu(target, draft, exact=mode == "exact")
     print(f"CPU kernels ({mode}): {preparation.summary()}")
     return preparation
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
 from .cpu_attention import EXACT_ATTENTION, FAST_ATTENTION, register_cpu_attention
@@ -102,17 +103,14 @@ class LinearKernel:
 
 @dataclass
 class KernelChoices:
-    """Kernel choices per weight shape `(out, in, dtype, exact)`, measured on first use (at `threads` torch threads)
-    and then kept. Pass one object to several `optimize_for_cpu` calls (target and drafter) to measure each shape
-    once; measure again (a new object) after changing the thread count."""
+    """Kernel choices per weight shape `(out, in, dtype, exact, torch threads)`, measured on first use and then kept.
+    Pass one object to several `optimize_for_cpu` calls (target and drafter) to measure each shape once."""
 
     repeats: int = 3
-    threads: int = field(default_factory=torch.get_num_threads)
     choices: dict[tuple, LinearKernel] = field(default_factory=dict)
-    timings_us: dict[tuple, dict[str, list[float]]] = field(default_factory=dict)  # for reports
 
     def choose(self, weight: torch.Tensor, exact: bool) -> LinearKernel:
-        key = (*weight.shape, str(weight.dtype), exact)
+        key = (*weight.shape, str(weight.dtype), exact, torch.get_num_threads())
         if key not in self.choices:
             self.choices[key] = self._measure(weight, exact)
         return self.choices[key]
@@ -135,7 +133,6 @@ class KernelChoices:
                 _median_us(lambda p, rows=rows: packed_linear(x[:rows], p, None), packs, self.repeats)
                 for rows in MEASURED_ROWS
             ]
-        self.timings_us[(*weight.shape, str(weight.dtype))] = {"stock": stock_us, "packed": packed_us}
         if not exact:
             per_rows = tuple(packed_us is not None and p < s for p, s in zip(packed_us or stock_us, stock_us))
             return LinearKernel(per_rows)
@@ -274,29 +271,26 @@ class CPUPreparation:
 
     def undo(self) -> None:
         """Restore stock linears and the previous attention implementation."""
+        self._use(prepared=False)
         for linear in self.linears:
-            linear.__class__ = nn.Linear
             del linear.kernel, linear.packed_weight
-        self.linears = []
-        if self.attention is not None:
-            self.model.set_attn_implementation(self.previous_attention)
-            self.attention = self.previous_attention = None
-        self.packed_bytes = 0
+        self.linears, self.attention, self.previous_attention, self.packed_bytes = [], None, None, 0
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
         """Run the stock kernels inside the block (the benchmark's stock baseline), the prepared ones after it."""
-        for linear in self.linears:
-            linear.__class__ = nn.Linear
-        if self.attention is not None:
-            self.model.set_attn_implementation(self.previous_attention)
+        self._use(prepared=False)
         try:
             yield
         finally:
-            for linear in self.linears:
-                linear.__class__ = PreparedLinear
-            if self.attention is not None:
-                self.model.set_attn_implementation(self.attention)
+            self._use(prepared=True)
+
+    def _use(self, prepared: bool) -> None:
+        """Switch the swapped linears and the attention to the prepared or the stock implementation."""
+        for linear in self.linears:
+            linear.__class__ = PreparedLinear if prepared else nn.Linear
+        if self.attention is not None:
+            self.model.set_attn_implementation(self.attention if prepared else self.previous_attention)
 
     def summary(self) -> str:
         packed = sum(linear.kernel.uses_any_packed for linear in self.linears)
@@ -328,28 +322,41 @@ def optimize_for_cpu(model: nn.Module, exact: bool = False, choices: KernelChoic
     if _on_accelerator(model):
         logger.info("optimize_for_cpu: the model is not on the CPU; left as it is.")
         return preparation
-    if any(isinstance(module, PreparedLinear) for module in model.modules()):
+    if is_optimized_for_cpu(model):
         raise ValueError("optimize_for_cpu: this model is already prepared; call .undo() on its preparation first.")
-    packed_by_weight: dict[int, PackedWeight] = {}
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            _prepare_linear(module, preparation, packed_by_weight)
     if exact:
         _check_other_products(model)
-    _switch_attention(model, preparation)
+    packed_by_weight: dict[int, PackedWeight] = {}
+    try:
+        for module in model.modules():
+            if type(module) is nn.Linear:
+                _prepare_linear(module, preparation, packed_by_weight)
+        _switch_attention(model, preparation)
+    except Exception:
+        preparation.undo()  # a failed preparation leaves the model as it was
+        raise
     logger.info(f"optimize_for_cpu: {preparation.summary()}")
+    return preparation
+
+
+def optimize_target_and_draft_for_cpu(
+    target: nn.Module, draft: nn.Module | None = None, exact: bool = False
+) -> CPUPreparation:
+    """`optimize_for_cpu` on a target (`exact` as asked) and its drafter, each weight shape measured once. The drafter
+    is prepared fast: its numbers decide what is proposed, never what is kept. A drafter already prepared is kept."""
+    preparation = optimize_for_cpu(target, exact=exact)
+    if draft is not None and not is_optimized_for_cpu(draft):
+        optimize_for_cpu(draft, choices=preparation.choices)
     return preparation
 
 
 def _prepare_linear(linear: nn.Linear, preparation: CPUPreparation, packed_by_weight: dict[int, PackedWeight]) -> None:
     kernel = preparation.choices.choose(linear.weight, preparation.exact)
     key = id(linear.weight)
-    if key not in packed_by_weight:  # tied weights share one packed copy
+    if key not in packed_by_weight:  # tied weights (one shape, so one kernel) share one packed copy
         packed = pack_weight(linear.weight) if kernel.uses_any_packed else None
         packed_by_weight[key] = PackedWeight(packed, linear.weight._version)
         preparation.packed_bytes += linear.weight.numel() * linear.weight.element_size() if packed is not None else 0
-    elif kernel.uses_any_packed and packed_by_weight[key].packed is None:
-        packed_by_weight[key].packed = pack_weight(linear.weight)
     linear.__class__ = PreparedLinear
     linear.kernel, linear.packed_weight = kernel, packed_by_weight[key]
     preparation.linears.append(linear)
@@ -359,7 +366,7 @@ def _check_other_products(model: nn.Module) -> None:
     """Exact mode: products this module does not prepare (transformers' `Conv1D`, GPT-2's) must be row-invariant
     with the stock kernel on this CPU, else a block forward cannot match one-token forwards."""
     for name, module in model.named_modules():
-        if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        if isinstance(module, Conv1D):
             weight, bias = module.weight, module.bias  # [in, out]
             if not _row_invariant(lambda x, w=weight, b=bias: torch.addmm(b, x, w), weight.t()):
                 raise ValueError(
@@ -403,5 +410,6 @@ __all__ = [
     "PreparedLinear",
     "is_optimized_for_cpu",
     "optimize_for_cpu",
+    "optimize_target_and_draft_for_cpu",
     "packed_kernels_available",
 ]

@@ -39,7 +39,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.utils import logging
 
-from .cpu_kernels import is_optimized_for_cpu, optimize_for_cpu
+from .cpu_kernels import is_optimized_for_cpu, optimize_target_and_draft_for_cpu
 from .draft_tree import (
     DraftTree,
     accept_greedy,
@@ -242,9 +242,7 @@ def _prepare_for_cpu(target: PreTrainedModel, draft: PreTrainedModel) -> None:
     logger.info(
         "speculative_generate: preparing the CPU target and drafter (optimize_for_cpu; optimize_cpu=False skips it)."
     )
-    preparation = optimize_for_cpu(target)
-    if not is_optimized_for_cpu(draft):
-        optimize_for_cpu(draft, choices=preparation.choices)
+    optimize_target_and_draft_for_cpu(target, draft)
 
 
 def _max_tree_nodes(target: PreTrainedModel, tree: bool | int | None, do_sample: bool, costed: bool) -> int:
