@@ -40,12 +40,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from hf_dflash import speculative_generate  # noqa: E402
-from hf_dflash.benchmark import time_draft_forward  # noqa: E402
-from hf_dflash.data import encode_prompt, load_training_dataset  # noqa: E402
+from hf_dflash.bench.harness import time_draft_forward  # noqa: E402
+from hf_dflash.data.prompts import load_prompts  # noqa: E402
+from hf_dflash.data.regenerate import encode_prompt, load_training_dataset  # noqa: E402
+from hf_dflash.decoding.policy import VerifyCosts, measure_verify_costs  # noqa: E402
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
-from hf_dflash.prompts import load_prompts  # noqa: E402
-from hf_dflash.training_script import held_out_prompts  # noqa: E402
-from hf_dflash.verify_policy import VerifyCosts, measure_verify_costs  # noqa: E402
+from hf_dflash.training.script import held_out_prompts  # noqa: E402
 
 BENCHMARKS = ("gsm8k", "humaneval", "mt-bench")
 HELD_OUT = "held-out"

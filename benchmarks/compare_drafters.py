@@ -38,8 +38,8 @@ from peft_acceptance import (  # noqa: E402
     taus,
 )
 
+from hf_dflash.data.prompts import load_prompts, split_set_limit  # noqa: E402
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
-from hf_dflash.prompts import load_prompts, split_set_limit  # noqa: E402
 
 
 def gains(current: dict[str, dict], candidate: dict[str, dict]) -> dict[str, dict]:

@@ -20,9 +20,9 @@ from transformers.cache_utils import DynamicCache
 
 from hf_dflash import DFlashForDrafting
 from hf_dflash.cli import committed_drafter
-from hf_dflash.cpu_kernels import optimize_target_and_draft_for_cpu
+from hf_dflash.decoding.cpu_kernels import optimize_target_and_draft_for_cpu
+from hf_dflash.decoding.policy import measure_verify_costs
 from hf_dflash.targets import load_target
-from hf_dflash.verify_policy import measure_verify_costs
 
 SETUPS = ("stock", "fast", "exact")
 

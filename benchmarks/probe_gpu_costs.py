@@ -34,8 +34,8 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from hf_dflash import DFlashForDrafting  # noqa: E402
-from hf_dflash.benchmark import cpu_model, time_draft_forward  # noqa: E402
-from hf_dflash.verify_policy import measure_verify_costs  # noqa: E402
+from hf_dflash.bench.harness import cpu_model, time_draft_forward  # noqa: E402
+from hf_dflash.decoding.policy import measure_verify_costs  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -10,11 +10,13 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
-from hf_dflash import DFlashForDrafting, speculative, speculative_generate, verify_policy
-from hf_dflash.benchmark import load_benchmark_prompts
+from hf_dflash import DFlashForDrafting, speculative_generate
+from hf_dflash.bench.harness import load_benchmark_prompts
 from hf_dflash.cli import committed_drafter
+from hf_dflash.decoding import policy as verify_policy
+from hf_dflash.decoding import speculative
+from hf_dflash.decoding.policy import VerifyCosts, cached_verify_costs
 from hf_dflash.targets import load_target
-from hf_dflash.verify_policy import VerifyCosts, cached_verify_costs
 
 target, tok = load_target("smollm2-135m-instruct")
 draft = DFlashForDrafting.from_pretrained(committed_drafter("smollm2-135m-instruct")).to(torch.float32).eval()

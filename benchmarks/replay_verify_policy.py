@@ -25,9 +25,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from hf_dflash import DFlashForDrafting, speculative_generate  # noqa: E402
-from hf_dflash.benchmark import load_benchmark_prompts  # noqa: E402
+from hf_dflash.bench.harness import load_benchmark_prompts  # noqa: E402
+from hf_dflash.decoding.policy import Fallback, VerifyCosts, measure_verify_costs  # noqa: E402
 from hf_dflash.targets import load_target  # noqa: E402
-from hf_dflash.verify_policy import Fallback, VerifyCosts, measure_verify_costs  # noqa: E402
 
 SCALES = (1.0, 0.8, 0.6)
 

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from hf_dflash import DFlashForDrafting, DFlashLayouts
 from hf_dflash.atomic_files import created_mode
 from hf_dflash.loading import load_target_and_tokenizer
+from hf_dflash.model.modeling_dflash import input_embedding_scale
 from hf_dflash.model_card import (
     TRAINING_INFO_FILE,
     card_info_from_folder,
@@ -30,8 +31,7 @@ from hf_dflash.model_card import (
     write_model_card,
     write_training_info,
 )
-from hf_dflash.modeling_dflash import input_embedding_scale
-from hf_dflash.trainer import verify_saved_draft
+from hf_dflash.training.trainer import verify_saved_draft
 
 
 def main() -> None:

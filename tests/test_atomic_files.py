@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_dflash.atomic_files import atomic_path, created_mode, write_text_atomic
-from hf_dflash.data import Prompt, prompts_from_jsonl, write_prompts_jsonl
-from hf_dflash.target_cache import _write
+from hf_dflash.data.regenerate import Prompt, prompts_from_jsonl, write_prompts_jsonl
+from hf_dflash.training.target_features import _write
 
 
 def _mode(path) -> int:
@@ -63,7 +63,7 @@ def test_prompt_file_is_untouched_when_writing_prompts_fails_midway(tmp_path):
 
 
 def test_feature_cache_leaves_nothing_when_saving_fails(tmp_path, monkeypatch):
-    import hf_dflash.target_cache as target_cache
+    import hf_dflash.training.target_features as target_cache
 
     def failing_save(tensors, filename):
         with open(filename, "wb") as file:

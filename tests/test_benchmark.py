@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import make_draft, make_target
 
-from hf_dflash import benchmark
-from hf_dflash.benchmark import (
+from hf_dflash.bench import harness as benchmark
+from hf_dflash.bench.harness import (
     ALL_METHODS,
     STOCK_BASELINE,
     BenchmarkConfig,
@@ -258,7 +258,7 @@ def test_trees_are_left_out_where_the_target_cannot_verify_one():
 
 
 def test_datasets_take_their_own_limit(monkeypatch):
-    from hf_dflash import prompts
+    from hf_dflash.data import prompts
 
     asked = {}
 

@@ -24,7 +24,7 @@ from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssis
 from transformers.cache_utils import DFlashCache
 
 from hf_dflash import DFlashConfig, DFlashForDrafting
-from hf_dflash.modeling_dflash import NATIVE_KEY_MAPPING
+from hf_dflash.model.modeling_dflash import NATIVE_KEY_MAPPING
 
 REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py")
 HIDDEN = 64  # helpers' llama target

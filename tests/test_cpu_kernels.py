@@ -13,9 +13,10 @@ from test_generation import random_prompt
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from hf_dflash import cpu_kernels, is_optimized_for_cpu, optimize_for_cpu, speculative_generate
-from hf_dflash.cpu_attention import EXACT_ATTENTION, FAST_ATTENTION, exact_attention_forward
-from hf_dflash.cpu_kernels import MEASURED_ROWS, KernelChoices, LinearKernel, PreparedLinear
+from hf_dflash import is_optimized_for_cpu, optimize_for_cpu, speculative_generate
+from hf_dflash.decoding import cpu_kernels
+from hf_dflash.decoding.cpu_attention import EXACT_ATTENTION, FAST_ATTENTION, exact_attention_forward
+from hf_dflash.decoding.cpu_kernels import MEASURED_ROWS, KernelChoices, LinearKernel, PreparedLinear
 
 DTYPES = [torch.float32, torch.bfloat16]
 SLIDING = {"mistral", "gemma2", "gemma3"}  # verify chains only (trees would break their windows)

@@ -1,4 +1,4 @@
-"""Tests for ``hf_dflash.data``: regenerated records, resume, evaluation items kept out, validation.
+"""Tests for ``hf_dflash.data.regenerate``: regenerated records, resume, evaluation items kept out, validation.
 
 Everything runs on a tiny in-process Llama (``helpers.make_target``) and a word-level tokenizer with a
 ChatML-like template built here, so no real model or download is needed.
@@ -19,8 +19,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
-from hf_dflash import data, prompts
-from hf_dflash.prompts import Prompt, apply_chat_template, prompt_set_path
+from hf_dflash.data import prompts
+from hf_dflash.data import regenerate as data
+from hf_dflash.data.prompts import Prompt, apply_chat_template, prompt_set_path
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -260,7 +261,7 @@ def test_an_evaluation_set_opted_out_by_name_is_not_loaded_and_is_logged(tmp_pat
     question = data.load_prompts("gsm8k", 3)[2].messages[0]["content"]
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": f"Q: {question}"}) + "\n" + json.dumps({"prompt": "Hello there."}) + "\n")
-    with caplog.at_level(logging.WARNING, logger="hf_dflash.data"):
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.data.regenerate"):
         kept = data.training_prompts([str(path)], unfiltered_evaluation_sets=("mt-bench",))
     assert [p.id for p in kept] == ["p/1"]  # the other sets are still filtered
     assert any("'mt-bench' is opted out" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
@@ -299,7 +300,7 @@ def test_data_command_opts_out_of_an_evaluation_set_by_flag(target, tokenizer, t
             main(argv)
         # the dash spelling is accepted as well as the documented underscore one
         flags = [arg for name in data.EVALUATION_SETS for arg in ("--unfiltered-evaluation-set", name)]
-        with caplog.at_level(logging.WARNING, logger="hf_dflash.data"):
+        with caplog.at_level(logging.WARNING, logger="hf_dflash.data.regenerate"):
             assert main(argv + flags) == 0
     finally:  # run_data shows the package's log on stderr; undo that for the other tests
         for handler in package_logger.handlers[len(handlers) :]:

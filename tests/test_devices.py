@@ -23,9 +23,9 @@ from test_generation import random_prompt
 from test_training import _args, _regenerated
 
 from hf_dflash import speculative_generate
-from hf_dflash.speculative import tree_unsupported_reason
-from hf_dflash.trainer import DFlashTrainer
-from hf_dflash.verify_policy import VerifyCosts, measure_verify_costs
+from hf_dflash.decoding.policy import VerifyCosts, measure_verify_costs
+from hf_dflash.decoding.speculative import tree_unsupported_reason
+from hf_dflash.training.trainer import DFlashTrainer
 
 # RoPE with a Llama layout, GPT-NeoX's partial rotary and fused QKV, Gemma 3's sliding layers and scaled embedding
 # (chains only, batches decoded row by row).

@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers import PAD, save_target_and_records
 
-from hf_dflash import DFlashForDrafting, modeling_dflash
+from hf_dflash import DFlashForDrafting
+from hf_dflash.model import modeling_dflash
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 NUM_RECORDS, HELD_OUT, BATCH = 8, 2, 2  # 6 training sequences, 2 per process and step

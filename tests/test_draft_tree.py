@@ -13,7 +13,8 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from hf_dflash import speculative_generate
-from hf_dflash.draft_tree import (
+from hf_dflash.decoding.policy import VerifyCosts
+from hf_dflash.decoding.tree import (
     ROOT,
     DraftTree,
     accept_greedy,
@@ -24,7 +25,6 @@ from hf_dflash.draft_tree import (
     supports_tree_verification,
     tree_attention_mask,
 )
-from hf_dflash.verify_policy import VerifyCosts
 
 TREE_FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gpt2", "gpt_neox", "opt"]  # no sliding window
 SLIDING_FAMILIES = ["mistral", "gemma2", "gemma3"]

@@ -275,7 +275,7 @@ def test_reduced_draft_vocabulary_stays_lossless(family, vocabulary):
 
 
 def test_the_drafters_context_queue_joins_steps_in_order_and_refuses_an_empty_read():
-    from hf_dflash.speculative import DecodeState
+    from hf_dflash.decoding.speculative import DecodeState
 
     state = DecodeState(
         cache=None, key_mask=None, next_position=None, draft_cache=None, draft_key_mask=None,

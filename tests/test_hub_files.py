@@ -12,7 +12,7 @@ from safetensors import safe_open
 from hf_dflash import DFlashForDrafting
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "src" / "hf_dflash"
+PACKAGE = ROOT / "src" / "hf_dflash" / "model"
 DRAFTERS = sorted(path.parent for path in (ROOT / "drafters").glob("*/config.json"))
 HUB_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py")
 

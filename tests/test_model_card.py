@@ -176,7 +176,7 @@ def test_quick_start_renders_prompts_as_the_drafter_was_trained(tokenizer_templa
     drafter (raw text) is shown raw text, an instruct model's the chat template."""
     from types import SimpleNamespace
 
-    from hf_dflash.training_script import RESPONSES_TEMPLATE, prompt_format
+    from hf_dflash.training.script import RESPONSES_TEMPLATE, prompt_format
 
     recorded = prompt_format(SimpleNamespace(chat_template=tokenizer_template))
     assert recorded == (RESPONSES_TEMPLATE if tokenizer_template else False)

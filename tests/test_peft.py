@@ -13,7 +13,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from hf_dflash import DFlashForDrafting, loading, speculative_generate
 from hf_dflash.adapters import DRAFT_LORA_MODULES
-from hf_dflash.trainer import DFlashTrainer, DFlashTrainingArguments
+from hf_dflash.training.trainer import DFlashTrainer, DFlashTrainingArguments
 
 FAMILIES = ["llama", "qwen3", "mistral"]
 MAX_NEW = 24
@@ -225,7 +225,7 @@ def test_adapter_mistakes_name_the_fix(base_drafter, tmp_path):
         DFlashTrainer(model=wrapped, target=target, args=training_args(tmp_path), peft_config=LoraConfig(r=2))
     with pytest.raises(ValueError, match="leave task_type unset"):
         add_draft_adapter(DFlashForDrafting.from_pretrained(base_drafter), LoraConfig(r=2, task_type="CAUSAL_LM"))
-    from hf_dflash.training_script import TrainScriptArguments
+    from hf_dflash.training.script import TrainScriptArguments
 
     with pytest.raises(ValueError, match="pass it as --init_draft"):
         TrainScriptArguments(data="d.jsonl", use_peft=True)

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_dflash import DFlashForDrafting
-from hf_dflash.data import encode_prompt, prompts_from_jsonl
+from hf_dflash.data.regenerate import encode_prompt, prompts_from_jsonl
 from hf_dflash.targets import converted_target_folder
 
 pytestmark = pytest.mark.slow

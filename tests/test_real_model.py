@@ -9,7 +9,7 @@ import torch
 from helpers import packaged_target_or_skip
 
 from hf_dflash import DFlashForDrafting, speculative_generate
-from hf_dflash.prompts import apply_chat_template, load_prompts
+from hf_dflash.data.prompts import apply_chat_template, load_prompts
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def test_committed_drafter_is_lossless_and_accepts_more_than_one_token(smollm2, 
     than the whole block), so the planner's effect is checked under fixed costs: a machine where each verified token
     adds 60% of a one-token forward (as the slowest 2-core machine measured) must verify fewer proposals."""
     from hf_dflash.cli import committed_drafter
-    from hf_dflash.verify_policy import VerifyCosts
+    from hf_dflash.decoding.policy import VerifyCosts
 
     folder = committed_drafter("smollm2-135m-instruct")
     if folder is None:

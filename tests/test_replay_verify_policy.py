@@ -7,7 +7,7 @@ import torch
 from helpers import load_module, make_oracle, make_target
 from test_generation import random_prompt
 
-from hf_dflash.verify_policy import VerifyCosts
+from hf_dflash.decoding.policy import VerifyCosts
 
 replay_verify_policy = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "replay_verify_policy.py")
 

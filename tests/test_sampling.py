@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
 
 from hf_dflash import DFlashForDrafting, speculative_generate
-from hf_dflash.speculative import _sampling_warpers
+from hf_dflash.decoding.speculative import _sampling_warpers
 
 VOCAB = 6
 PROMPT = torch.tensor([[1, 4, 2, 0, 3]])

@@ -11,9 +11,10 @@ import pytest
 import torch
 from helpers import load_module, make_draft, make_target
 
-from hf_dflash import DFlashForDrafting, data
+from hf_dflash import DFlashForDrafting
+from hf_dflash.data import regenerate as data
+from hf_dflash.data.prompts import HUMANEVAL_INSTRUCTION, prompt_set_path
 from hf_dflash.model_card import write_training_info
-from hf_dflash.prompts import HUMANEVAL_INSTRUCTION, prompt_set_path
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

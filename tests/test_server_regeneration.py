@@ -1,4 +1,4 @@
-"""Tests for ``hf_dflash.server_regeneration`` against a real HTTP server on 127.0.0.1, in a thread.
+"""Tests for ``hf_dflash.data.server`` against a real HTTP server on 127.0.0.1, in a thread.
 
 The server plays an OpenAI-compatible engine: it serves the tiny Llama of ``helpers.make_target`` greedily
 behind ``GET /v1/models`` and ``POST /v1/completions``, decodes with the same word-level tokenizer (so decoding
@@ -23,9 +23,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from hf_dflash import data
-from hf_dflash.prompts import Prompt, apply_chat_template
-from hf_dflash.server_regeneration import (
+from hf_dflash.data import regenerate as data
+from hf_dflash.data.prompts import Prompt, apply_chat_template
+from hf_dflash.data.server import (
     regenerate_responses_with_server,
     turn_end_id,
 )

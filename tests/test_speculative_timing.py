@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import make_draft, make_target
 
-from hf_dflash import speculative
-from hf_dflash.speculative import synchronized_clock
+from hf_dflash.decoding import speculative
+from hf_dflash.decoding.speculative import synchronized_clock
 
 PROMPT = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8])
 DEVICES = (

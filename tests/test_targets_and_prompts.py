@@ -1,4 +1,4 @@
-"""Tests for the PyPI-shipped targets (``hf_dflash.targets``) and prompt sets (``hf_dflash.prompts``).
+"""Tests for the PyPI-shipped targets (``hf_dflash.targets``) and prompt sets (``hf_dflash.data.prompts``).
 
 The default run loads no real model: the convert-and-cache path runs on a tiny in-process Llama. Prompt
 tests read the installed data packages and skip a set whose package or data file is missing. The one real
@@ -20,8 +20,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hf_dflash import prompts, targets
-from hf_dflash.prompts import KNOWN_PROMPT_SETS, Prompt, apply_chat_template, load_prompts
+from hf_dflash import targets
+from hf_dflash.data import prompts
+from hf_dflash.data.prompts import KNOWN_PROMPT_SETS, Prompt, apply_chat_template, load_prompts
 from hf_dflash.targets import KNOWN_TARGETS, convert_and_cache, load_converted, load_target
 
 # Items per set in the pinned package versions (ShareGPT's count depends on SHAREGPT_MAX_CHARS).

@@ -16,7 +16,8 @@ from huggingface_hub import ModelCard, RepoUrl
 from transformers.utils import logging as hf_logging
 
 from hf_dflash import DFlashForDrafting, speculative_generate
-from hf_dflash.collator import (
+from hf_dflash.model_card import card_info_from_folder, render_model_card
+from hf_dflash.training.collator import (
     IGNORE_INDEX,
     DataCollatorForDFlash,
     anchor_candidates,
@@ -25,8 +26,7 @@ from hf_dflash.collator import (
     flex_mask_mod,
     simulated_acceptance_length,
 )
-from hf_dflash.model_card import card_info_from_folder, render_model_card
-from hf_dflash.trainer import (
+from hf_dflash.training.trainer import (
     DFlashTrainer,
     DFlashTrainingArguments,
     block_loss,
@@ -359,7 +359,7 @@ def test_checkpoints_hold_the_draft_only_and_reload_identically(tmp_path):
 def test_a_save_is_checked_against_the_state_dict_the_trainer_gathered(tmp_path):
     """Under FSDP the drafter module holds shards and the Trainer passes `_save` the gathered state dict: the check
     reads that dict, and it fails when the folder does not hold it."""
-    from hf_dflash.trainer import verify_saved_draft
+    from hf_dflash.training.trainer import verify_saved_draft
 
     draft = make_draft(make_target("llama"), block_size=4, num_hidden_layers=1)
     draft.save_pretrained(tmp_path)
@@ -414,7 +414,7 @@ def test_model_card_carries_the_trainer_card_arguments(tmp_path, caplog):
     )
     trainer.save_model()
     readme = tmp_path / "out" / "README.md"
-    with caplog.at_level(logging.WARNING, logger="hf_dflash.trainer"):
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.training.trainer"):
         trainer.create_model_card(
             license="mit",
             tags=["my-tag", "tiny"],
@@ -510,7 +510,7 @@ def test_train_command_trains_saves_and_cards_a_drafter(tmp_path, monkeypatch, c
 
 
 def test_train_neither_prints_nor_sets_the_log_verbosity(tmp_path, capsys):
-    from hf_dflash.training_script import parse_train_args, train
+    from hf_dflash.training.script import parse_train_args, train
 
     _, _, data = _saved_target_and_data(tmp_path)
     argv = ["--data", str(data), "--target", str(tmp_path / "target"), "--output_dir", str(tmp_path / "drafter")]
@@ -601,7 +601,7 @@ def test_train_command_continues_a_drafter_and_rechooses_its_vocabulary(tmp_path
 
 
 def test_resume_true_picks_the_latest_complete_checkpoint(tmp_path):
-    from hf_dflash.training_script import _checkpoint_to_resume
+    from hf_dflash.training.script import _checkpoint_to_resume
 
     for step, complete in ((2, True), (10, True), (12, False)):  # checkpoint-12: killed while saving
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -615,7 +615,7 @@ def test_resume_true_picks_the_latest_complete_checkpoint(tmp_path):
 
 
 def test_frequent_tokens_outside_a_kept_draft_vocabulary_are_named_with_the_fix(caplog):
-    from hf_dflash.training_script import unproposable_tokens, warn_about_unproposable_tokens
+    from hf_dflash.training.script import unproposable_tokens, warn_about_unproposable_tokens
 
     # 40 response tokens: 7 appears 10 times (25%), 9 once (2.5%), the rest are inside the vocabulary
     dataset = Dataset.from_list([{"input_ids": [1, 2] + [7] * 10 + [9] + [3] * 29, "loss_mask": [0, 0] + [1] * 40}])
@@ -624,11 +624,11 @@ def test_frequent_tokens_outside_a_kept_draft_vocabulary_are_named_with_the_fix(
     draft.set_draft_vocabulary(torch.tensor([0, 1, 2, 3, 4, 5, 6, 8]))
     assert unproposable_tokens(dataset, draft.draft_token_ids, min_share=0.05) == {7: 0.25}
     assert unproposable_tokens(dataset, draft.draft_token_ids, min_share=0.02) == {7: 0.25, 9: 0.025}
-    with caplog.at_level(logging.WARNING, logger="hf_dflash.training_script"):
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.training.script"):
         warn_about_unproposable_tokens(dataset, draft, None, is_adapter=True)
     assert "7 (25.0%)" in caplog.text and "--draft_vocab_size 8" in caplog.text and "adapter" in caplog.text
     caplog.clear()
     draft.set_draft_vocabulary(torch.tensor([0, 1, 2, 3, 4, 5, 7, 9]))
-    with caplog.at_level(logging.WARNING, logger="hf_dflash.training_script"):
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.training.script"):
         warn_about_unproposable_tokens(dataset, draft, None, is_adapter=True)
     assert caplog.text == ""

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import make_draft, make_target
 
-from hf_dflash.draft_init import decoder_layers, initialize_draft_from_target
-from hf_dflash.trainer import DFlashTrainer, DFlashTrainingArguments, block_loss, expected_length_shares
+from hf_dflash.training.draft_init import decoder_layers, initialize_draft_from_target
+from hf_dflash.training.trainer import DFlashTrainer, DFlashTrainingArguments, block_loss, expected_length_shares
 
 B = 4
 
@@ -250,39 +250,41 @@ def test_cached_top_k_distillation_gives_the_online_top_k_loss(tmp_path):
 def test_the_target_cache_on_disk_is_reused_per_sequence_for_the_same_target(tmp_path, monkeypatch):
     from datasets import Dataset
 
-    from hf_dflash import target_cache, trainer
+    from hf_dflash.training import target_features
 
     target = make_target("qwen3")
     dataset = Dataset.from_list(_records(target))
     draft = make_draft(target, block_size=8, num_hidden_layers=1)
     args = _distill_args(tmp_path, cache_target_features=True, target_features_dir=str(tmp_path / "features"))
-    first = target_cache.build_target_cache(target, dataset.select([0, 1]), draft, 2048, 5, args.target_features_dir)
+    first = target_features.build_target_cache(
+        target, dataset.select([0, 1]), draft, 2048, 5, args.target_features_dir
+    )
     (store,) = (tmp_path / "features").iterdir()
     assert sorted(path.suffix for path in store.iterdir()) == [".safetensors"] * 2  # one file per sequence
 
-    forwards, real_forward = [], trainer.target_forward
+    forwards, real_forward = [], target_features.target_forward
 
     def counted_forward(target, batch, *args, **kwargs):
         forwards.append(batch)
         return real_forward(target, batch, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "target_forward", counted_forward)
+    monkeypatch.setattr(target_features, "target_forward", counted_forward)
     # the next stage's data holds the previous stage's: the target runs on the new sequence only
     again = DFlashTrainer(model=draft, target=target, args=args, train_dataset=dataset).target_cache
     assert [batch["input_ids"][0].tolist() for batch in forwards] == [dataset[2]["input_ids"]]
     for name in ("features", "top_logits", "top_ids"):
         for ours, theirs in zip(getattr(again, name), getattr(first, name)):
             assert torch.equal(ours, theirs)
-    online = target_cache.build_target_cache(target, dataset, draft, 2048, 5)  # nothing read: computes all three
+    online = target_features.build_target_cache(target, dataset, draft, 2048, 5)  # nothing read: computes all three
     for name in ("features", "top_logits", "top_ids"):
         for ours, theirs in zip(getattr(again, name), getattr(online, name)):
             assert torch.equal(ours, theirs)
     forwards.clear()
-    target_cache.build_target_cache(make_target("qwen3", seed=1), dataset, draft, 2048, 5, args.target_features_dir)
-    target_cache.build_target_cache(target, dataset, draft, 2048, 0, args.target_features_dir)
+    target_features.build_target_cache(make_target("qwen3", seed=1), dataset, draft, 2048, 5, args.target_features_dir)
+    target_features.build_target_cache(target, dataset, draft, 2048, 0, args.target_features_dir)
     assert len(forwards) == 6 and len(list((tmp_path / "features").iterdir())) == 3  # another target, another k
     forwards.clear()
-    short = target_cache.build_target_cache(target, dataset, draft, 5, 5, args.target_features_dir)
+    short = target_features.build_target_cache(target, dataset, draft, 5, 5, args.target_features_dir)
     assert len(forwards) == 3 and all(features.shape[0] == 5 for features in short.features)  # other tokens
 
 
@@ -291,18 +293,18 @@ def test_a_feature_cache_of_an_earlier_version_is_named_not_silently_ignored(tmp
 
     from datasets import Dataset
 
-    from hf_dflash import target_cache
+    from hf_dflash.training import target_features
 
     target = make_target("qwen3")
     dataset = Dataset.from_list(_records(target, count=1))
     draft = make_draft(target, block_size=8, num_hidden_layers=1)
     (tmp_path / "target-cache-0123456789abcdef0123.safetensors").write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="hf_dflash.target_cache"):
-        target_cache.build_target_cache(target, dataset, draft, 2048, 0, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.training.target_features"):
+        target_features.build_target_cache(target, dataset, draft, 2048, 0, tmp_path)
     assert any("an earlier hf-dflash" in record.getMessage() for record in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_dflash.target_cache"):
-        target_cache.build_target_cache(target, dataset, draft, 2048, 0, tmp_path / "new")
+    with caplog.at_level(logging.WARNING, logger="hf_dflash.training.target_features"):
+        target_features.build_target_cache(target, dataset, draft, 2048, 0, tmp_path / "new")
     assert caplog.records == []
 
 

@@ -21,7 +21,7 @@ from hf_dflash import (
     enable_dflash_generate,
     speculative_generate,
 )
-from hf_dflash.generation_dflash import keeps_recurrent_state
+from hf_dflash.model.generation_dflash import keeps_recurrent_state
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
 ENTRY_POINTS = ["generate", "speculative_generate"]

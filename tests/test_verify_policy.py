@@ -10,7 +10,7 @@ from test_generation import random_prompt
 from test_sampling import PROMPT, SETTINGS, chi_square_pvalue, exact_joint, peaky_target, random_draft
 
 from hf_dflash import speculative_generate
-from hf_dflash.verify_policy import Fallback, VerifyCosts, cached_verify_costs, measure_verify_costs
+from hf_dflash.decoding.policy import Fallback, VerifyCosts, cached_verify_costs, measure_verify_costs
 
 
 def quadratic_costs(block_size: int, growth: float) -> VerifyCosts:
@@ -262,7 +262,7 @@ def test_generate_with_a_costed_drafter_proposes_fewer_and_stays_exact(family, m
 
 
 def test_sliding_window_batches_decoded_row_by_row_are_costed_per_row():
-    from hf_dflash.verify_policy import _MEASURED
+    from hf_dflash.decoding.policy import _MEASURED
 
     target = make_target("gemma3")  # sliding-window layers: a batch is decoded one row at a time
     draft = make_draft(target, block_size=4)

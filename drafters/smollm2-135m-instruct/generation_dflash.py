@@ -193,7 +193,7 @@ def check_draft_fits_target(
 def synchronized_clock(device: torch.device) -> float:
     """`time.perf_counter()` once `device` has finished its queued work (CUDA and MPS run asynchronously; a CPU
     has nothing to wait for), so the time between two readings is the work queued between them. Every timer of the
-    library reads this clock (`hf_dflash.verify_policy.synchronized_clock` and `hf_dflash.speculative.synchronized_clock`
+    library reads this clock (`hf_dflash.decoding.policy.synchronized_clock` and `hf_dflash.decoding.speculative.synchronized_clock`
     are this function)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -9,12 +9,12 @@ hf_dflash.optimize_for_cpu(target)   # CPU kernels for cheap block forwards (spe
 
 from transformers import AutoConfig, AutoModel
 
-from .configuration_dflash import DFlashConfig, default_target_layer_ids
-from .cpu_kernels import CPUPreparation, KernelChoices, is_optimized_for_cpu, optimize_for_cpu
-from .generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, enable_dflash_generate
-from .modeling_dflash import DFlashForDrafting, DFlashLayouts, choose_mask_token_id
-from .speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
-from .verify_policy import VerifyCosts, measure_verify_costs
+from hf_dflash.decoding.cpu_kernels import CPUPreparation, KernelChoices, is_optimized_for_cpu, optimize_for_cpu
+from hf_dflash.decoding.policy import VerifyCosts, measure_verify_costs
+from hf_dflash.decoding.speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
+from hf_dflash.model.configuration_dflash import DFlashConfig, default_target_layer_ids
+from hf_dflash.model.generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, enable_dflash_generate
+from hf_dflash.model.modeling_dflash import DFlashForDrafting, DFlashLayouts, choose_mask_token_id
 
 __version__ = "0.1.0"
 

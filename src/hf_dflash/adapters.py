@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from hf_dflash.model.configuration_dflash import DFlashConfig
+from hf_dflash.model.modeling_dflash import DFlashForDrafting
+
 from .atomic_files import write_text_atomic
-from .configuration_dflash import DFlashConfig
-from .modeling_dflash import DFlashForDrafting
 
 logger = logging.get_logger(__name__)
 

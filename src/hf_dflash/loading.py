@@ -29,9 +29,10 @@ from transformers import (
 )
 from transformers.utils import logging
 
+from hf_dflash.model.generation_dflash import check_draft_fits_target
+from hf_dflash.model.modeling_dflash import DFlashForDrafting
+
 from .adapters import is_adapter_folder, load_draft_adapter, read_base_drafter_record
-from .generation_dflash import check_draft_fits_target
-from .modeling_dflash import DFlashForDrafting
 from .targets import KNOWN_TARGETS, converted_target_folder, prepare_tokenizer
 
 logger = logging.get_logger(__name__)

@@ -20,10 +20,11 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 from transformers.utils import logging
 
+from hf_dflash.model.configuration_dflash import DFlashConfig
+from hf_dflash.model.modeling_dflash import detect_layout
+
 from .adapters import ADAPTER_CONFIG_FILE, base_drafter_config, is_adapter_folder
 from .atomic_files import write_text_atomic
-from .configuration_dflash import DFlashConfig
-from .modeling_dflash import detect_layout
 
 logger = logging.get_logger(__name__)
 

@@ -12,9 +12,9 @@ One step (arXiv:2602.06036; `N` anchors per sequence, `B` block size, `T` sequen
    target's own distribution at the same position (`distill_weight`, over its top-k with `distill_top_k`), and with
    slot weights aimed at the expected acceptance length (`acceptance_loss_weight`, `expected_length_shares`).
 
-A new drafter starts at random or from the target's own deepest layers (`draft_init`, `hf_dflash.draft_init`); the
+A new drafter starts at random or from the target's own deepest layers (`draft_init`, `hf_dflash.training.draft_init`); the
 target's features (and top-k logits) can be computed once per training set (`cache_target_features`,
-`hf_dflash.target_cache`), in memory or on disk.
+`hf_dflash.training.target_features`), in memory or on disk.
 
 The target is a teacher: never in the optimizer, never saved, kept in eval mode; the draft shares its frozen
 embedding and LM head. Checkpoints hold the draft only and are reloaded and compared after every save.
@@ -39,13 +39,18 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
-from .adapters import (
+from hf_dflash.adapters import (
     add_draft_adapter,
     base_drafter_record,
     is_peft_model,
     save_base_drafter_record,
     verify_saved_adapter,
 )
+from hf_dflash.decoding.speculative import speculative_generate
+from hf_dflash.model.generation_dflash import check_draft_fits_target, pad_token_id_of
+from hf_dflash.model.modeling_dflash import DFlashForDrafting, DFlashLayouts
+from hf_dflash.model_card import write_training_info
+
 from .collator import (
     DataCollatorForDFlash,
     default_loss_decay_gamma,
@@ -53,11 +58,7 @@ from .collator import (
     simulated_acceptance_length,
 )
 from .draft_init import initialize_draft_from_target
-from .generation_dflash import check_draft_fits_target, context_features, pad_token_id_of
-from .model_card import write_training_info
-from .modeling_dflash import DFlashForDrafting, DFlashLayouts
-from .speculative import speculative_generate
-from .target_cache import TargetCache, build_target_cache, top_k_over_draft_vocabulary
+from .target_features import TargetCache, build_target_cache, target_forward, top_k_over_draft_vocabulary
 
 logger = logging.get_logger(__name__)
 
@@ -113,7 +114,7 @@ class DFlashTrainingArguments(TrainingArguments):
         default="random",
         metadata={
             "help": f"One of {DRAFT_INITS}: a new drafter's own random weights, or the target's deepest layers, "
-            "fc selecting the deepest tapped layer and the target's norms (hf_dflash.draft_init); 'target' "
+            "fc selecting the deepest tapped layer and the target's norms (hf_dflash.training.draft_init); 'target' "
             "overwrites the weights of the drafter given to the trainer."
         },
     )
@@ -193,22 +194,6 @@ class DFlashTrainingArguments(TrainingArguments):
 # ---------------------------------------------------------------------------------------------------------------------
 # The training forward and loss (pure functions: the tests call them directly)
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def target_forward(
-    target: PreTrainedModel, batch: dict[str, torch.Tensor], layer_ids: list[int], want_logits: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[b, T, n*H]` draft context features of every position, and `[b, T, V]` target logits if `want_logits`."""
-    out = target(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        output_hidden_states=[i + 1 for i in layer_ids],
-        use_cache=False,
-        **({} if want_logits else {"logits_to_keep": 1}),
-    )
-    features = context_features(out.hidden_states, layer_ids, batch["input_ids"].shape[1])
-    return features, (out.logits if want_logits else None)
 
 
 def draft_training_forward(
@@ -347,7 +332,7 @@ class DFlashTrainer(Trainer):
         target: the causal LM the drafter speculates for; frozen, in eval mode, prepared by accelerate for
             evaluation only.
         args: `DFlashTrainingArguments`.
-        train_dataset / eval_dataset: items with `input_ids` and `loss_mask` (see `hf_dflash.data`).
+        train_dataset / eval_dataset: items with `input_ids` and `loss_mask` (see `hf_dflash.data.regenerate`).
         data_collator: defaults to `DataCollatorForDFlash` built from `args` and the drafter's config.
         acceptance_prompts: `[1, prompt_len]` tensors of held-out prompts; with `args.real_acceptance_steps` the real
             speculative loop runs on them every that many steps and logs `real_tau` next to the simulated `sim_tau`.
@@ -640,7 +625,7 @@ class DFlashTrainer(Trainer):
         drafter's name in the card's snippets (`org/name`, or `<your-org>/name`; default: `hub_model_id`). A drafter's
         card has no place for `language`, `tasks`, `dataset` and `dataset_args`: they are left out with a warning.
         """
-        from .model_card import card_info_from_folder, write_model_card
+        from hf_dflash.model_card import card_info_from_folder, write_model_card
 
         if not self.is_world_process_zero():
             return
@@ -731,6 +716,5 @@ __all__ = [
     "draft_training_forward",
     "expected_length_shares",
     "gather_at_slots",
-    "target_forward",
     "verify_saved_draft",
 ]

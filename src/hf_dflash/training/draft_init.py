@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .modeling_dflash import DFlashForDrafting
+from hf_dflash.model.modeling_dflash import DFlashForDrafting
 
 logger = logging.get_logger(__name__)
 

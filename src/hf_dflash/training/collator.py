@@ -115,7 +115,7 @@ def flex_mask_mod(
 class DataCollatorForDFlash:
     """Pads sequences and samples DFlash training blocks.
 
-    Features: dicts with `input_ids` and `loss_mask` (1 on response tokens), as written by `hf_dflash.data`.
+    Features: dicts with `input_ids` and `loss_mask` (1 on response tokens), as written by `hf_dflash.data.regenerate`.
     With `draft_vocabulary` (the target ids of a reduced draft vocabulary, `DFlashForDrafting.draft_token_ids`),
     labels are indices into it and tokens outside it carry no loss (the draft cannot propose them).
     Anchors are drawn without replacement among positions whose token and next token are supervised, re-drawn

@@ -13,7 +13,7 @@ weight shape on the running CPU (`KernelChoices`). Parameters are not touched: `
 `save_pretrained()` write the original weights, linears that share a weight (a tied head used by target and drafter)
 share one packed copy, a weight changed in place (training, a merged adapter) is packed again, and
 `CPUPreparation.undo()` restores the stock modules. A model on transformers' default `sdpa` attention also switches to
-`"sdpa_gqa"` (`hf_dflash.cpu_attention`), which skips the key/value head copies sdpa makes for multi-token forwards.
+`"sdpa_gqa"` (`hf_dflash.decoding.cpu_attention`), which skips the key/value head copies sdpa makes for multi-token forwards.
 Accelerator models are left as they are.
 
 With `exact=True` a forward over `k` tokens gives per-token logits bitwise equal to `k` one-token forwards of the same
@@ -22,7 +22,7 @@ prepared model, so greedy speculative decoding is token-identical to plain decod
 - every linear uses one kernel for every row count, a kernel checked to be row-invariant on this CPU for that shape
   (a row's result does not depend on how many rows share the call), and a 1-row input is padded to 2 rows (the
   1-row kernels are gemv-like and sum in another order);
-- attention goes through `"row_invariant"` (`hf_dflash.cpu_attention`, registered with transformers'
+- attention goes through `"row_invariant"` (`hf_dflash.decoding.cpu_attention`, registered with transformers'
   `AttentionInterface`), whose reduction order depends on neither the number of query rows nor the key count.
 """
 

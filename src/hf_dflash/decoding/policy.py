@@ -33,8 +33,9 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
+from hf_dflash.model.generation_dflash import context_features, noise_block, synchronized_clock
+
 from .cpu_kernels import is_optimized_for_cpu
-from .generation_dflash import context_features, noise_block, synchronized_clock
 
 logger = logging.get_logger(__name__)
 

@@ -59,7 +59,7 @@ def prepare_cpu_kernels(mode: str, target, draft=None):
     """`optimize_for_cpu` on a CPU target (and drafter, fast) as `--cpu_kernels` says; the target's preparation."""
     if mode == "off" or target.device.type != "cpu":
         return None
-    from hf_dflash.cpu_kernels import optimize_target_and_draft_for_cpu
+    from hf_dflash.decoding.cpu_kernels import optimize_target_and_draft_for_cpu
 
     preparation = optimize_target_and_draft_for_cpu(target, draft, exact=mode == "exact")
     print(f"CPU kernels ({mode}): {preparation.summary()}")
@@ -226,7 +226,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from hf_dflash import DFlashForDrafting, loading, speculative_generate
-    from hf_dflash.verify_policy import cached_verify_costs
+    from hf_dflash.decoding.policy import cached_verify_costs
 
     target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
     draft_path = args.draft or (None if args.untrained else committed_drafter(args.target))
@@ -293,7 +293,7 @@ def committed_drafter(target_name: str) -> str | None:
     """The drafter trained for a packaged target and committed in this repository (`drafters/<target>`), if any."""
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[2] / "drafters" / target_name
+    folder = Path(__file__).resolve().parents[3] / "drafters" / target_name
     return str(folder) if (folder / "config.json").is_file() else None
 
 
@@ -334,8 +334,9 @@ def run_card(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
 
-    from hf_dflash import benchmark, loading
+    from hf_dflash import loading
     from hf_dflash.atomic_files import write_text_atomic
+    from hf_dflash.bench import harness as benchmark
 
     target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
     draft = loading.load_draft(args.draft, target, revision=args.draft_revision, base_draft=args.base_draft)
@@ -373,7 +374,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _timed(run, device):
     """`run()` and its seconds, read on the device's clock (CUDA and MPS run asynchronously)."""
-    from hf_dflash.verify_policy import synchronized_clock
+    from hf_dflash.decoding.policy import synchronized_clock
 
     start = synchronized_clock(device)
     result = run()
@@ -385,7 +386,7 @@ def run_data(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hf_dflash import loading
-    from hf_dflash.data import end_of_turn_ids, load_training_dataset, training_prompts
+    from hf_dflash.data.regenerate import end_of_turn_ids, load_training_dataset, training_prompts
 
     handler = logging.StreamHandler()  # show the data module's progress notes (resume, filtered prompts)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -438,14 +439,14 @@ def run_data(args: argparse.Namespace) -> int:
 
 def _regenerate(args: argparse.Namespace, target, tokenizer, prompts: list, output, stop_ids: list[int]) -> None:
     """Regenerate the responses locally on the loaded target, or through the server at `--server_url`."""
-    from hf_dflash.data import regenerate_responses
+    from hf_dflash.data.regenerate import regenerate_responses
 
     sampling = {"do_sample": args.do_sample, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     budget = {"max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
     if not args.server_url:
         regenerate_responses(target, tokenizer, prompts, output, batch_size=args.batch_size, **sampling, **budget)
         return
-    from hf_dflash.server_regeneration import regenerate_responses_with_server
+    from hf_dflash.data.server import regenerate_responses_with_server
 
     regenerate_responses_with_server(
         tokenizer,
@@ -467,7 +468,7 @@ def _regenerate(args: argparse.Namespace, target, tokenizer, prompts: list, outp
 def run_train(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
-    from hf_dflash.training_script import parse_train_args, train
+    from hf_dflash.training.script import parse_train_args, train
 
     script, args = parse_train_args(argv)
     verbosity = hf_logging.get_verbosity()

@@ -39,17 +39,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.utils import logging
 
-from .cpu_kernels import is_optimized_for_cpu, optimize_target_and_draft_for_cpu
-from .draft_tree import (
-    DraftTree,
-    accept_greedy,
-    best_first_tree,
-    chain,
-    keep_path,
-    supports_tree_verification,
-    tree_attention_mask,
-)
-from .generation_dflash import (
+from hf_dflash.model.generation_dflash import (
     check_draft_fits_target,
     context_features,
     draft_logits_full_vocabulary,
@@ -58,7 +48,18 @@ from .generation_dflash import (
     token_ids,
     warp_logits,
 )
-from .verify_policy import VerifyCosts, cached_verify_costs, synchronized_clock
+
+from .cpu_kernels import is_optimized_for_cpu, optimize_target_and_draft_for_cpu
+from .policy import VerifyCosts, cached_verify_costs, synchronized_clock
+from .tree import (
+    DraftTree,
+    accept_greedy,
+    best_first_tree,
+    chain,
+    keep_path,
+    supports_tree_verification,
+    tree_attention_mask,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -186,7 +187,7 @@ def speculative_generate(
             tokens once (cached per target; on 2 CPU cores about 17 s for SmolLM2-135M over up to 17 tokens) and
             plans each round from the draft's own probabilities: a draft tree, a chain or no proposal at all,
             whichever brings the most expected tokens per second, and plain decoding steps while drafting does not
-            pay (`hf_dflash.verify_policy`); or pass measured `VerifyCosts`. The output is the target's own either
+            pay (`hf_dflash.decoding.policy`); or pass measured `VerifyCosts`. The output is the target's own either
             way.
         tree: draft trees for greedy decoding, on targets that verify one exactly (`draft_tree`; not
             sliding-window targets). `None`: with `verify_costs`, trees of up to 16 nodes when the target supports

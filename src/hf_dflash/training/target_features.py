@@ -23,9 +23,10 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .adapters import draft_fingerprint
-from .atomic_files import atomic_path
-from .modeling_dflash import DFlashForDrafting
+from hf_dflash.adapters import draft_fingerprint
+from hf_dflash.atomic_files import atomic_path
+from hf_dflash.model.generation_dflash import context_features
+from hf_dflash.model.modeling_dflash import DFlashForDrafting
 
 logger = logging.get_logger(__name__)
 
@@ -111,11 +112,27 @@ def build_target_cache(
     return cache
 
 
+@torch.no_grad()
+def target_forward(
+    target: PreTrainedModel, batch: dict[str, torch.Tensor], layer_ids: list[int], want_logits: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[b, T, n*H]` draft context features of every position, and `[b, T, V]` target logits if `want_logits`."""
+    out = target(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        output_hidden_states=[i + 1 for i in layer_ids],
+        use_cache=False,
+        **({} if want_logits else {"logits_to_keep": 1}),
+    )
+    features = context_features(out.hidden_states, layer_ids, batch["input_ids"].shape[1])
+    return features, (out.logits if want_logits else None)
+
+
+
 def _target_entry(
     target: PreTrainedModel, input_ids: list[int], draft: DFlashForDrafting, top_k: int
 ) -> dict[str, torch.Tensor]:
     """One sequence's `{"features": [T, n*H]}`, with `top_logits` / `top_ids` `[T, k]` when `top_k`."""
-    from .trainer import target_forward  # the training forward's own feature extraction
 
     ids = torch.tensor(input_ids, device=target.device)[None]
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -151,4 +168,11 @@ def _write(entry: dict[str, torch.Tensor], path: Path) -> None:
         save_file({name: tensor.contiguous() for name, tensor in entry.items()}, str(tmp))
 
 
-__all__ = ["TargetCache", "build_target_cache", "sequence_key", "settings_key", "top_k_over_draft_vocabulary"]
+__all__ = [
+    "TargetCache",
+    "build_target_cache",
+    "sequence_key",
+    "settings_key",
+    "target_forward",
+    "top_k_over_draft_vocabulary",
+]

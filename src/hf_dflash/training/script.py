@@ -21,11 +21,12 @@ from transformers import HfArgumentParser, PreTrainedModel
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from .data import load_training_dataset
-from .generation_dflash import token_ids
-from .loading import TargetArguments, load_draft, load_target_from_arguments, resolve_device, same_device
-from .modeling_dflash import DFlashForDrafting
-from .targets import KNOWN_TARGETS
+from hf_dflash.data.regenerate import load_training_dataset
+from hf_dflash.loading import TargetArguments, load_draft, load_target_from_arguments, resolve_device, same_device
+from hf_dflash.model.generation_dflash import token_ids
+from hf_dflash.model.modeling_dflash import DFlashForDrafting
+from hf_dflash.targets import KNOWN_TARGETS
+
 from .trainer import DFlashTrainer, DFlashTrainingArguments
 
 logger = logging.get_logger(__name__)

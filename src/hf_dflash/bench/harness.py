@@ -57,11 +57,16 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from .cpu_kernels import CPUPreparation
-from .generation_dflash import noise_block, pad_token_id_of, token_ids
-from .modeling_dflash import DFlashForDrafting
-from .speculative import SpeculativeStats, speculative_generate, synchronized_clock, tree_unsupported_reason
-from .verify_policy import VerifyCosts, cached_verify_costs
+from hf_dflash.decoding.cpu_kernels import CPUPreparation
+from hf_dflash.decoding.policy import VerifyCosts, cached_verify_costs
+from hf_dflash.decoding.speculative import (
+    SpeculativeStats,
+    speculative_generate,
+    synchronized_clock,
+    tree_unsupported_reason,
+)
+from hf_dflash.model.generation_dflash import noise_block, pad_token_id_of, token_ids
+from hf_dflash.model.modeling_dflash import DFlashForDrafting
 
 logger = logging.get_logger(__name__)
 
@@ -95,7 +100,7 @@ Method = Callable[..., tuple[torch.LongTensor, SpeculativeStats | None]]
 
 @dataclass
 class BenchmarkConfig:
-    """What `run_benchmark` runs. The prompt sets are read with `hf_dflash.prompts` unless prompts are passed in."""
+    """What `run_benchmark` runs. The prompt sets are read with `hf_dflash.data.prompts` unless prompts are passed in."""
 
     datasets: tuple[str, ...] = ("gsm8k", "humaneval", "mt-bench")  # "name:N" takes N prompts of it, not `limit`
     limit: int = 10  # prompts per dataset
@@ -274,7 +279,7 @@ def count_new_tokens(generated: torch.LongTensor, eos_token_ids: Sequence[int]) 
 
 def load_benchmark_prompts(tokenizer, datasets: Sequence[str], limit: int | None) -> list[BenchmarkPrompt]:
     """The first `limit` prompts of each dataset (`"name:N"`: its first N), chat template applied, tokenized."""
-    from .prompts import apply_chat_template, load_prompts, split_set_limit
+    from hf_dflash.data.prompts import apply_chat_template, load_prompts, split_set_limit
 
     prompts = []
     for entry in datasets:
@@ -299,7 +304,7 @@ def cpu_model() -> str:
 
 def benchmark_conditions(target: PreTrainedModel, draft: PreTrainedModel, config: BenchmarkConfig) -> dict[str, Any]:
     """Everything a number depends on besides the code: machine, threads, versions, dtype, sizes."""
-    from . import __version__
+    from importlib.metadata import version
 
     device = target.device
     return {
@@ -312,7 +317,7 @@ def benchmark_conditions(target: PreTrainedModel, draft: PreTrainedModel, config
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "hf_dflash": __version__,
+        "hf_dflash": version("hf-dflash"),
         "target": getattr(target.config, "_name_or_path", None) or type(target).__name__,
         "target_dtype": str(target.dtype).removeprefix("torch."),
         "draft_dtype": str(draft.dtype).removeprefix("torch."),

@@ -48,8 +48,8 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from hf_dflash.data import drop_torn_last_line, pending_prompts
-from hf_dflash.prompts import Prompt, apply_chat_template
+from hf_dflash.data.prompts import Prompt, apply_chat_template
+from hf_dflash.data.regenerate import drop_torn_last_line, pending_prompts
 
 logger = transformers.utils.logging.get_logger(__name__)
 

@@ -36,11 +36,11 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_dflash.atomic_files import atomic_path
-from hf_dflash.prompts import KNOWN_PROMPT_SETS, Prompt, apply_chat_template, get_prompt_set_spec, load_prompts
+from hf_dflash.data.prompts import KNOWN_PROMPT_SETS, Prompt, apply_chat_template, get_prompt_set_spec, load_prompts
 
 logger = transformers.utils.logging.get_logger(__name__)
 
-# The benchmark sets (hf_dflash.prompts names). Never a training source; their items are filtered out of all others.
+# The benchmark sets (hf_dflash.data.prompts names). Never a training source; their items are filtered out of all others.
 EVALUATION_SETS = ("gsm8k", "humaneval", "mt-bench")
 # Prompts written by the target itself (``synthesize_prompts``).
 SYNTHETIC_SOURCE = "synthetic"
