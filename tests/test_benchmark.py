@@ -26,6 +26,7 @@ from hf_dflash.bench.harness import (
     save_plot,
     summarize,
 )
+from hf_dflash.decoding.policy import VerifyPlanner
 
 PROMPTS = [
     BenchmarkPrompt("toy/0", "toy", torch.tensor([5, 6, 7, 8, 5, 6, 7, 8])),
@@ -195,9 +196,10 @@ def test_every_costed_method_plans_from_one_measured_costs_object(target, draft,
 
     monkeypatch.setattr(benchmark, "speculative_generate", spy)
     config = tiny_config(methods=("ours", "ours_chain", "ours_tree16", "ours_full_block"), max_new_tokens=6)
-    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1])
+    planner = VerifyPlanner()
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1], planner=planner)
     assert report["identical"]
-    costs = benchmark.benchmark_verify_costs(target, draft)
+    costs = benchmark.benchmark_verify_costs(target, draft, planner)
     assert costs.max_nodes >= 16  # trees of 16 nodes + the bonus fit
     by_tree = {tree: {id(c) if c is not None else None for t, c in seen if t == tree} for tree, _ in seen}
     assert by_tree == {None: {id(costs)}, False: {id(costs), None}, 16: {None}}  # ours / ours_chain, full block / tree

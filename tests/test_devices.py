@@ -21,9 +21,10 @@ from helpers import VOCAB, greedy_reference, left_pad, load_module, make_draft, 
 from test_draft_tree import tree_oracle
 from test_generation import random_prompt
 from test_training import _args, _regenerated
+from transformers import GenerationConfig
 
 from hf_dflash import speculative_generate
-from hf_dflash.decoding.policy import VerifyCosts, measure_verify_costs
+from hf_dflash.decoding.policy import VerifyCosts, VerifyPlanner, measure_verify_costs
 from hf_dflash.decoding.speculative import tree_unsupported_reason
 from hf_dflash.training.trainer import DFlashTrainer
 
@@ -77,8 +78,10 @@ def test_greedy_outputs_are_the_targets_own(device, family, generator_spy):
     chains = speculative_generate(target, draft, prompt[None], max_new_tokens=NEW_TOKENS, tree=False)
     planned = speculative_generate(target, draft, prompt[None], max_new_tokens=NEW_TOKENS, verify_costs=flat_costs())
     via_generate = target.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=draft)
-    draft.verify_costs = flat_costs()  # generate()'s planner: the chain length worth verifying
-    costed_generate = target.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=draft)
+    planned_config = GenerationConfig(  # generate()'s planner: the chain length worth verifying
+        max_new_tokens=NEW_TOKENS, do_sample=False, dflash_planner=VerifyPlanner(costs=flat_costs())
+    )
+    costed_generate = target.generate(prompt[None], assistant_model=draft, generation_config=planned_config)
 
     assert chains.sequences[0].tolist() == planned.sequences[0].tolist() == reference
     assert via_generate[0].tolist() == costed_generate[0].tolist() == reference

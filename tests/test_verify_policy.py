@@ -8,9 +8,10 @@ import torch
 from helpers import greedy_reference, left_pad, make_draft, make_oracle, make_target
 from test_generation import random_prompt
 from test_sampling import PROMPT, SETTINGS, chi_square_pvalue, exact_joint, peaky_target, random_draft
+from transformers import GenerationConfig
 
 from hf_dflash import speculative_generate
-from hf_dflash.decoding.policy import Fallback, VerifyCosts, cached_verify_costs, measure_verify_costs
+from hf_dflash.decoding.policy import Fallback, VerifyCosts, VerifyPlanner, measure_verify_costs
 
 
 def quadratic_costs(block_size: int, growth: float) -> VerifyCosts:
@@ -120,24 +121,42 @@ def test_a_useless_draft_costs_little_more_than_plain_decoding():
 
 
 def test_the_fallback_judgement_carries_from_one_call_to_the_next():
-    """Each prompt must not pay the probes again: a second call with the same costs goes on with the pause the first
-    one reached (a probe of 4 rounds, then 256 steps), while another decoding path or new costs start afresh."""
+    """Each prompt must not pay the probes again: a second call with the same planner goes on with the pause the
+    first one reached (a probe of 4 rounds, then 256 steps), while another decoding path or a new planner start
+    afresh."""
     target = make_target("llama")
     prompt = random_prompt(10, seed=2)
     reference = greedy_reference(target, prompt, 200)
     draft = make_oracle(target, [reference], p_wrong=1.0, block_size=4)
     costs = VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13)
-    run = functools.partial(speculative_generate, target, draft, prompt[None], max_new_tokens=200, tree=False)
-    first, second = run(verify_costs=costs), run(verify_costs=costs)
+    planner = VerifyPlanner()
+    run = functools.partial(
+        speculative_generate, target, draft, prompt[None], max_new_tokens=200, tree=False, verify_costs=costs
+    )
+    first, second = run(planner=planner), run(planner=planner)
     assert first.sequences[0].tolist() == second.sequences[0].tolist() == reference.tolist()
     assert first.stats.num_rounds > 10  # probes after pauses of 8, 16, 32, 64
     assert second.stats.num_rounds <= 4
-    assert costs.fallback("a path") is costs.fallback("a path") is not costs.fallback("another path")
-    other_path = run(verify_costs=costs, tree=3)  # trees take other times: judged apart
+    assert planner.fallback(costs, "a path") is planner.fallback(costs, "a path")
+    assert planner.fallback(costs, "a path") is not planner.fallback(costs, "another path")
+    other_path = run(planner=planner, tree=3)  # trees take other times: judged apart
     assert other_path.sequences[0].tolist() == reference.tolist()
     assert other_path.stats.num_rounds > 10
-    fresh = run(verify_costs=VerifyCosts(verify=costs.verify, draft=costs.draft))
-    assert fresh.stats.num_rounds == first.stats.num_rounds
+    assert run(planner=VerifyPlanner()).stats.num_rounds > 10  # a new planner probes afresh
+    assert run().stats.num_rounds > 10  # no planner: nothing carries over
+
+
+def test_a_planner_is_shared_not_copied_and_keeps_no_state_on_the_models():
+    import copy
+
+    target = make_target("llama")
+    draft = make_draft(target, block_size=4)
+    planner = VerifyPlanner(costs=VerifyCosts(verify=(1.0, 1.1, 1.2, 1.3), draft=0.1))
+    assert copy.deepcopy(planner) is planner  # `generate` deep-copies its generation config
+    before = (set(vars(target)), set(vars(draft)))
+    speculative_generate(target, draft, random_prompt(6, 1)[None], max_new_tokens=6, verify_costs="auto", planner=planner)
+    assert (set(vars(target)), set(vars(draft))) == before
+    assert planner.costs_for(target, draft, batch_size=1) is planner.costs  # fixed costs are never measured
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -146,15 +165,16 @@ def test_generate_with_a_costed_useless_drafter_skips_drafting_and_stays_exact(d
     prompt = random_prompt(10, seed=2)
     reference = greedy_reference(target, prompt, 120)
     draft = make_oracle(target, [reference], p_wrong=1.0, block_size=4)
-    draft.verify_costs = VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13)
+    planner = VerifyPlanner(costs=VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13))
     calls = []
     draft.register_forward_hook(lambda *args: calls.append(1))
-    kwargs = {"do_sample": True, "top_k": 1} if do_sample else {"do_sample": False}  # top-k 1: sampling = greedy
-    out = target.generate(prompt[None], max_new_tokens=120, assistant_model=draft, **kwargs)
+    sampling = {"do_sample": True, "top_k": 1} if do_sample else {"do_sample": False}  # top-k 1: sampling = greedy
+    config = GenerationConfig(max_new_tokens=120, dflash_planner=planner, **sampling)
+    out = target.generate(prompt[None], assistant_model=draft, generation_config=config)
     assert out[0].tolist() == reference.tolist()
     assert len(calls) < 40  # the fallback paused drafting for most of the 119 steps after the prefill
     first_call = len(calls)
-    out = target.generate(prompt[None], max_new_tokens=120, assistant_model=draft, **kwargs)
+    out = target.generate(prompt[None], assistant_model=draft, generation_config=config)
     assert out[0].tolist() == reference.tolist()
     assert len(calls) - first_call < first_call  # the next call goes on with the pause the first one reached
 
@@ -180,9 +200,11 @@ def test_measured_costs_cover_the_block_and_are_cached_per_batch_size():
     draft = make_draft(target, block_size=4)
     costs = measure_verify_costs(target, draft, context_length=16, repeats=1)
     assert len(costs.verify) == 4 and all(cost > 0 for cost in costs.verify) and costs.draft > 0
-    once = cached_verify_costs(target, draft, batch_size=1)
-    assert cached_verify_costs(target, draft, batch_size=1) is once
-    assert cached_verify_costs(target, draft, batch_size=2) is not once
+    planner = VerifyPlanner()
+    once = planner.costs_for(target, draft, batch_size=1)
+    assert planner.costs_for(target, draft, batch_size=1) is once
+    assert planner.costs_for(target, draft, batch_size=2) is not once
+    assert VerifyPlanner().costs_for(target, draft, batch_size=1) is not once  # memory is the planner's
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gpt2"])
@@ -246,7 +268,7 @@ def test_generate_with_a_costed_drafter_proposes_fewer_and_stays_exact(family, m
     with torch.no_grad():
         reference = target.generate(prompt[None], max_new_tokens=40, do_sample=False)[0]
     draft = make_oracle(target, [reference], p_wrong=0.3, block_size=8)
-    draft.verify_costs = quadratic_costs(8, 0.1)
+    planner = VerifyPlanner(costs=quadratic_costs(8, 0.1))
     proposed = []
     original = DFlashCandidateGenerator.get_candidates
 
@@ -256,16 +278,18 @@ def test_generate_with_a_costed_drafter_proposes_fewer_and_stays_exact(family, m
         return candidates, logits
 
     monkeypatch.setattr(DFlashCandidateGenerator, "get_candidates", recording)
-    out = target.generate(prompt[None], max_new_tokens=40, do_sample=False, assistant_model=draft)
+    config = GenerationConfig(max_new_tokens=40, do_sample=False, dflash_planner=planner)
+    out = target.generate(prompt[None], assistant_model=draft, generation_config=config)
     assert out[0].tolist() == reference.tolist()
     assert 0 < max(proposed) < 7  # proposals were cut short, and some were still proposed
 
 
 def test_sliding_window_batches_decoded_row_by_row_are_costed_per_row():
-    from hf_dflash.decoding.policy import _MEASURED
-
     target = make_target("gemma3")  # sliding-window layers: a batch is decoded one row at a time
     draft = make_draft(target, block_size=4)
     input_ids, attention_mask = left_pad([random_prompt(6, seed=1), random_prompt(9, seed=2)])
-    speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=5, verify_costs="auto")
-    assert [key[1] for key in _MEASURED[target]] == [1]  # (block size, batch size, device, dtype)
+    planner = VerifyPlanner()
+    speculative_generate(
+        target, draft, input_ids, attention_mask, max_new_tokens=5, verify_costs="auto", planner=planner
+    )
+    assert [key[1] for key in planner._measured] == [1]  # (block size, batch size, ...)

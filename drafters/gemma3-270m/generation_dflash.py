@@ -193,8 +193,7 @@ def check_draft_fits_target(
 def synchronized_clock(device: torch.device) -> float:
     """`time.perf_counter()` once `device` has finished its queued work (CUDA and MPS run asynchronously; a CPU
     has nothing to wait for), so the time between two readings is the work queued between them. Every timer of the
-    library reads this clock (`hf_dflash.decoding.policy.synchronized_clock` and `hf_dflash.decoding.speculative.synchronized_clock`
-    are this function)."""
+    library reads this clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -217,6 +216,36 @@ def noise_block(anchor_ids: torch.LongTensor, block_size: int, mask_token_id: in
     """`[b, B]` block `[anchor, MASK x (B-1)]` from the `[b, 1]` last committed tokens."""
     masks = anchor_ids.new_full((anchor_ids.shape[0], block_size - 1), mask_token_id)
     return torch.cat([anchor_ids, masks], dim=1)
+
+
+def draft_forward(
+    draft: Any,
+    embed_tokens: Any,
+    anchor_ids: torch.LongTensor,
+    context: torch.Tensor,
+    position_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    cache: DynamicCache | None = None,
+) -> torch.Tensor:
+    """One draft forward: `[b, B, H]` hidden states of the block `[anchor, MASK x (B-1)]` read after `context`
+    (`[b, n, taps * H]` target features of the tokens the draft has not read yet).
+
+    `position_ids` `[b, n + B]` cover the context and the block; `attention_mask` `[b, cached + n + B]` marks the
+    keys to attend (`None`: all). With a `cache` the context's keys/values stay in it and the block's are cropped
+    back, so the next draft reads only newer context.
+    """
+    block_size = draft.config.block_size
+    embeds = embed_tokens(noise_block(anchor_ids, block_size, draft.config.mask_token_id))  # [b, B, H]
+    out = draft(
+        noise_embeds=embeds,
+        context_hidden_states=context,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        cache=cache,
+    )
+    if cache is not None:
+        cache.crop(-block_size)
+    return out.last_hidden_state
 
 
 def draft_logits_full_vocabulary(draft: Any, lm_head: Any, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -248,11 +277,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
     Each call drafts `min(B - 1, remaining budget - 1)` tokens from one draft forward over
     `[last committed token, MASK x (B-1)]`, with the target hidden states of the tokens committed since the previous
     draft appended to the draft's context cache. Returns the candidates and their (processed) draft logits `q`.
-    A drafter that carries measured `verify_costs` (`draft.verify_costs = hf_dflash.measure_verify_costs(target,
-    draft)`) is planned like `speculative_generate`'s chains: greedy decoding returns only the proposals worth
-    verifying (`verify_costs.best_num_draft`), and while drafted rounds commit fewer tokens per second than plain
-    decoding would, calls return no candidate without drafting (`verify_costs.fallback(path)`: a plain step), keeping
-    the skipped steps' hidden states for the next draft. This path verifies chains only.
+    Given a planner (`generation_config.dflash_planner`, a `hf_dflash.VerifyPlanner`), calls are planned like
+    `speculative_generate`'s chains: greedy decoding returns only the proposals worth verifying (the planner's
+    measured costs, `best_num_draft`), and while drafted rounds commit fewer tokens per second than plain decoding
+    would, calls return no candidate without drafting (the planner's `Fallback` for this path: a plain step), keeping
+    the skipped steps' hidden states for the next draft. The planner keeps what it measured and judged for the next
+    call. This path verifies chains only.
     """
 
     requires_model_outputs = True
@@ -285,13 +315,14 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.num_context = 0  # committed tokens whose target features are already in the draft cache
         self.pending: list[torch.Tensor] = []  # features of committed tokens not in the draft cache yet
         self.num_seen = 0  # committed tokens whose features are in the cache or pending
-        costs = getattr(draft, "verify_costs", None)
-        self.fallback = costs.fallback(self.path) if costs is not None and hasattr(costs, "fallback") else None
+        planner = getattr(generation_config, "dflash_planner", None)
+        self.costs = planner.costs_for(target, draft, batch_size=1) if planner is not None else None
+        self.fallback = planner.fallback(self.costs, self.path) if planner is not None else None
         self.last_step: tuple[int, bool, float] | None = None  # (length before, drafted, start) of the last call
 
     @property
     def path(self) -> str:
-        """The decoding path, as the fallback keeps its judgements apart (`VerifyCosts.fallback`)."""
+        """The decoding path, as the planner keeps its fallbacks apart (`VerifyPlanner.fallback`)."""
         return f"generate({'do_sample' if self.do_sample else 'greedy'})"
 
     @property
@@ -341,14 +372,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.last_step = None
 
     def _num_worth_verifying(self, logits: torch.Tensor) -> int:
-        """Every proposal, unless decoding is greedy and the drafter carries measured `verify_costs`
-        (`draft.verify_costs = hf_dflash.measure_verify_costs(target, draft)`): then as many as pay for their cost.
+        """Every proposal, unless decoding is greedy with a planner: then as many as pay for their measured cost.
         Sampling keeps them all: with history-dependent processors a later slot's confidence depends on an earlier
         sampled token, and the choice must not."""
-        costs = getattr(self.draft, "verify_costs", None)
-        if costs is None or self.do_sample:
+        if self.costs is None or self.do_sample:
             return logits.shape[1]
-        return costs.best_num_draft(logits.float().softmax(-1).amax(-1))  # [1, k] draft confidence per slot
+        return self.costs.best_num_draft(logits.float().softmax(-1).amax(-1))  # [1, k] draft confidence per slot
 
     def _draft_block(
         self, input_ids: torch.LongTensor, features: torch.Tensor, attention_mask: torch.Tensor | None
@@ -361,17 +390,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         block_positions = positions[:, committed:] + torch.arange(self.block_size, device=positions.device)
         position_ids = torch.cat([positions[:, self.num_context : committed], block_positions], dim=1)
         key_mask = torch.cat([attention_mask[:, :committed], attention_mask.new_ones(1, self.block_size)], dim=1)
-        embeds = self.embed_tokens(noise_block(input_ids[:, -1:], self.block_size, self.mask_token_id))
-        out = self.draft(
-            noise_embeds=embeds,
-            context_hidden_states=features,
-            position_ids=position_ids,
-            attention_mask=key_mask,
-            cache=self.cache,
+        hidden = draft_forward(
+            self.draft, self.embed_tokens, input_ids[:, -1:], features, position_ids, key_mask, self.cache
         )
-        self.cache.crop(-self.block_size)
         self.num_context = committed
-        return out.last_hidden_state
+        return hidden
 
     def _select(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
         """Pick draft tokens (argmax, or samples from `q`) after the generation's logits processors."""
@@ -482,6 +505,7 @@ __all__ = [
     "check_draft_fits_target",
     "check_target_supported",
     "context_features",
+    "draft_forward",
     "enable_dflash_generate",
     "is_dflash_draft",
     "noise_block",

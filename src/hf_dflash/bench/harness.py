@@ -53,19 +53,14 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
 from hf_dflash.decoding.cpu_kernels import CPUPreparation
-from hf_dflash.decoding.policy import VerifyCosts, cached_verify_costs
-from hf_dflash.decoding.speculative import (
-    SpeculativeStats,
-    speculative_generate,
-    synchronized_clock,
-    tree_unsupported_reason,
-)
-from hf_dflash.model.generation_dflash import noise_block, pad_token_id_of, token_ids
+from hf_dflash.decoding.policy import VerifyCosts, VerifyPlanner
+from hf_dflash.decoding.speculative import SpeculativeStats, speculative_generate, tree_unsupported_reason
+from hf_dflash.model.generation_dflash import noise_block, pad_token_id_of, synchronized_clock, token_ids
 from hf_dflash.model.modeling_dflash import DFlashForDrafting
 
 logger = logging.get_logger(__name__)
@@ -170,54 +165,56 @@ def _native(target, draft, input_ids, attention_mask, **kwargs):
     return out, None
 
 
-def _assisted(target, draft, input_ids, attention_mask, verify_costs: VerifyCosts | str | None = None, **kwargs):
-    own = getattr(draft, "verify_costs", None)  # the caller's, restored after the run
-    draft.verify_costs = _resolve_costs(verify_costs, target, draft)  # used for greedy decoding only
-    try:
-        out = target.generate(input_ids=input_ids, attention_mask=attention_mask, assistant_model=draft, **kwargs)
-    finally:
-        draft.verify_costs = own
+def _assisted(target, draft, input_ids, attention_mask, planner: VerifyPlanner | None = None, **kwargs):
+    """`generate(assistant_model=draft)`; with a `planner`, greedy decoding verifies only what pays by its costs (the
+    benchmark's curve) and every call skips drafting while it does not pay (the planner's fallback)."""
+    if planner is not None:
+        benchmark_verify_costs(target, draft, planner)  # the generator then plans from this very curve
+        kwargs = {"generation_config": GenerationConfig(**kwargs, dflash_planner=planner)}
+    out = target.generate(input_ids=input_ids, attention_mask=attention_mask, assistant_model=draft, **kwargs)
     return out, None
 
 
-def _ours(target, draft, input_ids, attention_mask, verify_costs: VerifyCosts | str | None = None, **kwargs):
-    costs = _resolve_costs(verify_costs, target, draft)
+def _ours(target, draft, input_ids, attention_mask, planner: VerifyPlanner, costed: bool, **kwargs):
+    """`speculative_generate`, planning from the benchmark's curve when `costed`, else verifying every proposal."""
+    costs = benchmark_verify_costs(target, draft, planner) if costed else None
     out = speculative_generate(
-        target, draft, input_ids, attention_mask, verify_costs=costs, optimize_cpu=False, **kwargs
+        target, draft, input_ids, attention_mask, verify_costs=costs, planner=planner, optimize_cpu=False, **kwargs
     )
     return out.sequences[:, : input_ids.shape[1] + out.num_new_tokens[0]], out.stats
 
 
-def benchmark_verify_costs(target: PreTrainedModel, draft: PreTrainedModel) -> VerifyCosts:
+def benchmark_verify_costs(target: PreTrainedModel, draft: PreTrainedModel, planner: VerifyPlanner) -> VerifyCosts:
     """The target's forward time over 1 .. max(32, B) new tokens and one draft forward, at batch 1: measured once per
-    target (`cached_verify_costs`), then the same object every time, so every costed method plans from one set of
-    costs, and trees (16 nodes + the bonus) are covered."""
-    return cached_verify_costs(target, draft, 1, max_tokens=max(COST_CURVE_TOKENS, draft.config.block_size))
-
-
-def _resolve_costs(verify_costs, target, draft) -> VerifyCosts | None:
-    """`"auto"`: the benchmark's measured costs (`benchmark_verify_costs`); a `VerifyCosts` or `None` as given."""
-    return benchmark_verify_costs(target, draft) if isinstance(verify_costs, str) else verify_costs
+    `planner` (`VerifyPlanner.costs_for`), then the same object every time, so every costed method plans from one set
+    of costs, and trees (16 nodes + the bonus) are covered."""
+    return planner.costs_for(target, draft, 1, max_tokens=max(COST_CURVE_TOKENS, draft.config.block_size))
 
 
 def default_methods(
-    prompt_lookup_num_tokens: int = 10, verify_costs: VerifyCosts | str | None = "auto"
+    prompt_lookup_num_tokens: int = 10,
+    verify_costs: VerifyCosts | str | None = "auto",
+    planner: VerifyPlanner | None = None,
 ) -> dict[str, Method]:
     """The decoding paths, by name. `ours` and `assisted` verify as `verify_costs` says ("auto": the benchmark's
-    measured costs, `None`: every proposal), `ours_chain` plans chains from those costs (measured ones when `None`),
-    `ours_tree16` verifies a 16-node tree every round, `ours_full_block` every slot's argmax, and `ours_argmax`
-    (sampling) proposes the draft's argmax."""
-    costed = "auto" if verify_costs is None else verify_costs
+    measured costs, `None`: every proposal, or given `VerifyCosts`), `ours_chain` plans chains from those costs
+    (measured ones when `None`), `ours_tree16` verifies a 16-node tree every round, `ours_full_block` every slot's
+    argmax, and `ours_argmax` (sampling) proposes the draft's argmax. All share one `planner` (a fresh one by
+    default): one measured curve, and each path's fallback judgement carried from prompt to prompt."""
+    if isinstance(verify_costs, VerifyCosts):
+        planner = VerifyPlanner(costs=verify_costs)
+    planner = planner if planner is not None else VerifyPlanner()
+    costed = verify_costs is not None
     return {
         "plain": _plain,
         "prompt_lookup": functools.partial(_prompt_lookup, num_tokens=prompt_lookup_num_tokens),
         "native": _native,
-        "assisted": functools.partial(_assisted, verify_costs=verify_costs),
-        "ours": functools.partial(_ours, verify_costs=verify_costs),
-        "ours_chain": functools.partial(_ours, verify_costs=costed, tree=False),
-        "ours_tree16": functools.partial(_ours, verify_costs=None, tree=16),
-        "ours_full_block": functools.partial(_ours, verify_costs=None, tree=False),
-        "ours_argmax": functools.partial(_ours, verify_costs=verify_costs, sample_proposals=False),
+        "assisted": functools.partial(_assisted, planner=planner if costed else None),
+        "ours": functools.partial(_ours, planner=planner, costed=costed),
+        "ours_chain": functools.partial(_ours, planner=planner, costed=True, tree=False),
+        "ours_tree16": functools.partial(_ours, planner=planner, costed=False, tree=16),
+        "ours_full_block": functools.partial(_ours, planner=planner, costed=False, tree=False),
+        "ours_argmax": functools.partial(_ours, planner=planner, costed=costed, sample_proposals=False),
     }
 
 
@@ -392,7 +389,9 @@ def _extra_thread_counts(thread_counts: Sequence[int]) -> list[int]:
     return [n for n in dict.fromkeys(thread_counts) if n != default]
 
 
-def _not_applicable(names: Sequence[str], target: PreTrainedModel, do_sample: bool) -> dict[str, str]:
+def _not_applicable(
+    names: Sequence[str], target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner
+) -> dict[str, str]:
     """The methods that would repeat another one or cannot run in this setting, with the reason."""
     skipped = {}
     for name in names:
@@ -400,7 +399,7 @@ def _not_applicable(names: Sequence[str], target: PreTrainedModel, do_sample: bo
             skipped[name] = GREEDY_ONLY[name]
         elif name in SAMPLING_ONLY and not do_sample:
             skipped[name] = SAMPLING_ONLY[name]
-        elif name in TREE_METHODS and (reason := tree_unsupported_reason(target, do_sample)) is not None:
+        elif name in TREE_METHODS and (reason := tree_unsupported_reason(target, do_sample, planner)) is not None:
             skipped[name] = reason
     for name, reason in skipped.items():
         logger.info(f"Method {name!r} left out: {reason}.")
@@ -415,6 +414,7 @@ def run_benchmark(
     prompts: Sequence[BenchmarkPrompt] | None = None,
     methods: dict[str, Method] | None = None,
     preparation: CPUPreparation | None = None,
+    planner: VerifyPlanner | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark and return the report (a JSON-ready dict; see `render_table` for what it holds).
 
@@ -428,9 +428,11 @@ def run_benchmark(
             that name; every name in `config.methods` must be in it.
         preparation: what `optimize_for_cpu` did to `target` (its drafter prepared alike); adds the `plain_stock`
             baseline and the stock cost curve.
+        planner: what the default methods plan with and the cost curves are measured into (a fresh one by default).
     """
+    planner = planner if planner is not None else VerifyPlanner()
     if methods is None:
-        methods = default_methods(config.prompt_lookup_num_tokens, config.verify_costs)
+        methods = default_methods(config.prompt_lookup_num_tokens, config.verify_costs, planner)
     baselines = [BASELINE] + [plain_threads_name(n) for n in _extra_thread_counts(config.plain_threads)]
     methods = plain_thread_methods(config.plain_threads) | methods  # a caller's own entry wins
     if preparation is not None and preparation.active:
@@ -440,7 +442,7 @@ def run_benchmark(
     unknown = [m for m in names if m not in methods]
     if unknown:
         raise ValueError(f"Unknown methods {unknown}; known: {sorted(methods)}.")
-    skipped = _not_applicable(names, target, config.do_sample)
+    skipped = _not_applicable(names, target, config.do_sample, planner)
     names = [m for m in names if m not in skipped]
     if config.repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {config.repeats}.")
@@ -454,11 +456,11 @@ def run_benchmark(
     if pad_token_id is not None:
         generation_kwargs["pad_token_id"] = pad_token_id
 
-    costs = benchmark_verify_costs(target, draft)  # untimed; the costed methods then plan from this object
+    costs = benchmark_verify_costs(target, draft, planner)  # untimed; the costed methods then plan from this object
     stock_costs = None
     if STOCK_BASELINE in baselines:
         with preparation.suspended():
-            stock_costs = benchmark_verify_costs(target, draft)
+            stock_costs = benchmark_verify_costs(target, draft, planner)
     failed = _warm_up(target, draft, prompts[0], names, methods, generation_kwargs, config)
     names = [m for m in names if m not in failed]
     baselines = [m for m in baselines if m in names]
@@ -809,7 +811,7 @@ def measure_batch_throughput(
     if repeats < 1:
         raise ValueError(f"measure_batch_throughput needs repeats >= 1 timed runs per batch, got {repeats}; pass 1.")
     device = target.device
-    ours_kwargs = {"verify_costs": verify_costs, "optimize_cpu": False}
+    ours_kwargs = {"verify_costs": verify_costs, "planner": VerifyPlanner(), "optimize_cpu": False}
     plains = ("plain", STOCK_BASELINE) if preparation is not None else ("plain",)
     generation = copy.deepcopy(target.generation_config)
     generation.update(**generation_kwargs)

@@ -13,8 +13,13 @@ where `P(node accepted)` is the node's path probability under the draft (for a c
 draft's probability for its own j-th proposal); `N = 0` is a plain step. Rows of a batch share one forward, so their
 expected tokens add up. `Fallback` goes further when drafting stops paying: it skips the draft altogether for a
 number of plain steps (doubling while probes keep failing), judged on the tokens rounds really committed in the
-seconds they really took, against the plain steps' own measured seconds. The judgement carries from one call to the
-next with the same costs, so a drafter that does not pay on some prompts costs their probes once, not per prompt.
+seconds they really took, against the plain steps' own measured seconds.
+
+`VerifyPlanner` is what a caller holds across calls: the costs it measured (per batch size, device, dtype and
+kernels), each decoding path's `Fallback` (so a drafter that does not pay on some prompts costs their probes once,
+not per prompt) and whether the target verifies trees. Nothing is kept in module globals or on the models: a caller
+that wants memory across calls passes the same planner to each (`speculative_generate(..., planner=planner)`,
+`target.generate(..., generation_config=GenerationConfig(..., dflash_planner=planner))`).
 
 Losslessness does not depend on the plan: the target still checks every token it keeps. Under sampling, `N` is chosen
 from the draft distributions before any token is sampled from them (all of a block's distributions come from one
@@ -24,23 +29,20 @@ correctness needs.
 
 from __future__ import annotations
 
-import functools
-import weakref
 from dataclasses import dataclass, field
+from statistics import median
 
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from hf_dflash.model.generation_dflash import context_features, noise_block, synchronized_clock
+from hf_dflash.model.generation_dflash import context_features, draft_forward, synchronized_clock
 
 from .cpu_kernels import is_optimized_for_cpu
+from .tree import supports_tree_verification
 
 logger = logging.get_logger(__name__)
-
-# target -> {(block size, batch size, device, dtype): VerifyCosts}; measured once per target and setting
-_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -74,20 +76,6 @@ class VerifyCosts:
     def best_num_draft(self, confidences: torch.Tensor) -> int:
         """How many of a chain's `k` proposals to verify, given the draft's probability of each: `[b, k]` -> `0..k`."""
         return self.best_num_nodes(confidences.float().cumprod(-1))
-
-    def fallback(self, path: str = "") -> Fallback:
-        """The `Fallback` of one decoding `path` (a name the caller picks: `speculative_generate` names its plan and
-        sampling, `generate(assistant_model=draft)` itself) planning with these costs. Every call on that path shares
-        it (`cached_verify_costs` keeps one set of costs per target and setting), so what one call learnt (a pause
-        under way, its backoff, the timed rounds and plain steps) carries into the next instead of each prompt
-        paying its probes again; paths keep apart because their rounds take different times."""
-        if path not in self._fallbacks:
-            self._fallbacks[path] = Fallback(self)
-        return self._fallbacks[path]
-
-    @functools.cached_property
-    def _fallbacks(self) -> dict[str, Fallback]:
-        return {}
 
     def seconds(self, num_nodes: int) -> float:
         """Modelled seconds of a drafted round verifying `num_nodes` nodes (plus the bonus)."""
@@ -175,7 +163,7 @@ def measure_verify_costs(
     cache, and one draft forward.
 
     Sizes are interleaved over `repeats` passes and the median kept, so a busy moment hits all sizes alike.
-    `cached_verify_costs` measures once per target and setting and then answers from memory.
+    `VerifyPlanner.costs_for` measures once per setting and then answers from memory.
     """
     device = target.device
     max_tokens = max_tokens or draft.config.block_size
@@ -194,38 +182,77 @@ def measure_verify_costs(
             out = target(input_ids=new, cache=cache, use_cache=True, output_hidden_states=layers)
             timings[size - 1].append(synchronized_clock(device) - start)
             cache.crop(-size)
-    verify = tuple(sorted(t[1:])[len(t[1:]) // 2] for t in timings)
+    verify = tuple(median(t[1:]) for t in timings)
     return VerifyCosts(verify=verify, draft=_time_draft(target, draft, out.hidden_states, batch_size, repeats))
 
 
-def cached_verify_costs(
-    target: PreTrainedModel, draft: PreTrainedModel, batch_size: int, max_tokens: int | None = None
-) -> VerifyCosts:
-    """`measure_verify_costs` once per target and (block size, batch size, max tokens, device, dtype, kernels: whether
-    `optimize_for_cpu` prepared it and its attention implementation); then from memory."""
-    max_tokens = max_tokens or draft.config.block_size
-    kernels = (is_optimized_for_cpu(target), target.config._attn_implementation)
-    key = (draft.config.block_size, batch_size, max_tokens, str(target.device), str(target.dtype), kernels)
-    per_target = _MEASURED.setdefault(target, {})
-    if key not in per_target:
-        per_target[key] = measure_verify_costs(target, draft, batch_size, max_tokens=max_tokens)
-        logger.info(f"Measured verify costs (relative to one token): {per_target[key].relative()}")
-    return per_target[key]
+@dataclass
+class VerifyPlanner:
+    """What decoding learns about a target and keeps from one call to the next; the caller holds it.
+
+    - costs: `costs` if given (fixed), else measured by `measure_verify_costs` once per setting (`costs_for`);
+    - each decoding path's `Fallback` (`fallback`): a pause under way, its backoff, the timed rounds and plain steps;
+    - whether the target verifies draft trees exactly, per attention implementation (`supports_trees`).
+
+    Pass one planner to every call that should share this (`speculative_generate(..., planner=planner)`; for
+    `target.generate(..., assistant_model=draft)` as `GenerationConfig(..., dflash_planner=planner)`). A planner is
+    a handle, never copied: `copy.deepcopy` (which `generate` applies to its generation config) returns it as is.
+    A planner serves one target: the measured costs and tree support are that target's.
+    """
+
+    costs: VerifyCosts | None = None
+    _measured: dict[tuple, VerifyCosts] = field(default_factory=dict, init=False, repr=False)
+    _fallbacks: dict[tuple[str, VerifyCosts], Fallback] = field(default_factory=dict, init=False, repr=False)
+    _tree_support: dict[str | None, bool] = field(default_factory=dict, init=False, repr=False)
+
+    def __deepcopy__(self, memo: dict) -> VerifyPlanner:
+        return self
+
+    def costs_for(
+        self, target: PreTrainedModel, draft: PreTrainedModel, batch_size: int, max_tokens: int | None = None
+    ) -> VerifyCosts:
+        """The fixed `costs`, else `measure_verify_costs` over at least `max_tokens` (default: the block size) new
+        tokens, measured once per (block size, batch size, device, dtype, kernels: whether `optimize_for_cpu`
+        prepared the target and its attention implementation): a later request for fewer tokens gets the same
+        object, one for more measures again and keeps the longer curve."""
+        if self.costs is not None:
+            return self.costs
+        max_tokens = max_tokens or draft.config.block_size
+        kernels = (is_optimized_for_cpu(target), target.config._attn_implementation)
+        key = (draft.config.block_size, batch_size, str(target.device), str(target.dtype), kernels)
+        known = self._measured.get(key)
+        if known is None or len(known.verify) < max_tokens:
+            known = self._measured[key] = measure_verify_costs(target, draft, batch_size, max_tokens=max_tokens)
+            logger.info(f"Measured verify costs (relative to one token): {known.relative()}")
+        return known
+
+    def fallback(self, costs: VerifyCosts, path: str) -> Fallback:
+        """The `Fallback` of one decoding `path` (named by its caller: `speculative_generate` by its plan and
+        sampling, `generate(assistant_model=draft)` by its sampling) planning with `costs`. Paths keep apart because
+        their rounds take different times."""
+        key = (path, costs)
+        if key not in self._fallbacks:
+            self._fallbacks[key] = Fallback(costs)
+        return self._fallbacks[key]
+
+    def supports_trees(self, target: PreTrainedModel) -> bool:
+        """`supports_tree_verification(target)`, checked once per attention implementation."""
+        key = getattr(target.config, "_attn_implementation", None)
+        if key not in self._tree_support:
+            self._tree_support[key] = supports_tree_verification(target)
+        return self._tree_support[key]
 
 
 def _time_draft(target, draft, hidden_states, batch_size: int, repeats: int) -> float:
     """Median seconds of one draft forward over a block and its LM head, conditioned on the last forward's tokens."""
-    features = context_features(hidden_states, list(draft.config.target_layer_ids), draft.config.block_size)
     block_size = draft.config.block_size
-    embed = target.get_input_embeddings()
-    bonus = torch.zeros(batch_size, 1, dtype=torch.long, device=target.device)
-    noise = embed(noise_block(bonus, block_size, draft.config.mask_token_id))
+    features = context_features(hidden_states, list(draft.config.target_layer_ids), block_size)
+    anchors = torch.zeros(batch_size, 1, dtype=torch.long, device=target.device)
     positions = torch.arange(features.shape[1] + block_size, device=target.device).expand(batch_size, -1)
     timings = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + 1):  # the first is a warm-up
         start = synchronized_clock(target.device)
-        out = draft(noise_embeds=noise, context_hidden_states=features, position_ids=positions)
-        draft.draft_logits(out.last_hidden_state[:, 1:], target.get_output_embeddings())
+        hidden = draft_forward(draft, target.get_input_embeddings(), anchors, features, positions)
+        draft.draft_logits(hidden[:, 1:], target.get_output_embeddings())
         timings.append(synchronized_clock(target.device) - start)
-    timings = sorted(timings[1:])
-    return timings[len(timings) // 2]
+    return median(timings[1:])

@@ -42,22 +42,22 @@ from transformers.utils import logging
 from hf_dflash.model.generation_dflash import (
     check_draft_fits_target,
     context_features,
+    draft_forward,
     draft_logits_full_vocabulary,
-    noise_block,
     pad_token_id_of,
+    synchronized_clock,
     token_ids,
     warp_logits,
 )
 
 from .cpu_kernels import is_optimized_for_cpu, optimize_target_and_draft_for_cpu
-from .policy import VerifyCosts, cached_verify_costs, synchronized_clock
+from .policy import VerifyCosts, VerifyPlanner
 from .tree import (
     DraftTree,
     accept_greedy,
     best_first_tree,
     chain,
     keep_path,
-    supports_tree_verification,
     tree_attention_mask,
 )
 
@@ -167,6 +167,7 @@ def speculative_generate(
     streamer: Any | None = None,
     generation_config: GenerationConfig | None = None,
     verify_costs: VerifyCosts | str | None = None,
+    planner: VerifyPlanner | None = None,
     tree: bool | int | None = None,
     sample_proposals: bool = True,
     optimize_cpu: bool = True,
@@ -184,11 +185,14 @@ def speculative_generate(
             `min_p`, `eos_token_id`, `pad_token_id`; defaults come from `target.generation_config`.
         verify_costs: `None` verifies every proposal of the block (DFlash as published: right where verifying a
             block costs about one token, as on a GPU). `"auto"` measures the target's forward time over 1 .. n
-            tokens once (cached per target; on 2 CPU cores about 17 s for SmolLM2-135M over up to 17 tokens) and
+            tokens once per `planner` (on 2 CPU cores about 17 s for SmolLM2-135M over up to 17 tokens) and
             plans each round from the draft's own probabilities: a draft tree, a chain or no proposal at all,
             whichever brings the most expected tokens per second, and plain decoding steps while drafting does not
             pay (`hf_dflash.decoding.policy`); or pass measured `VerifyCosts`. The output is the target's own either
             way.
+        planner: what this call may reuse and leaves for the next: measured costs, the fallback's judgement of
+            each decoding path, tree support (`VerifyPlanner`). Pass the same planner to every call on this target;
+            `None`: a fresh planner for this call (`"auto"` then measures again).
         tree: draft trees for greedy decoding, on targets that verify one exactly (`draft_tree`; not
             sliding-window targets). `None`: with `verify_costs`, trees of up to 16 nodes when the target supports
             them, else chains; `False`: chains only; an int `N`: trees of up to `N` nodes with `verify_costs`, and
@@ -213,9 +217,10 @@ def speculative_generate(
         attention_mask = torch.ones_like(input_ids)
     max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
     row_by_row = batch_size > 1 and _has_sliding_window(target)
-    max_tree_nodes = _max_tree_nodes(target, tree, bool(config.do_sample), verify_costs is not None)
+    planner = planner if planner is not None else VerifyPlanner()
+    max_tree_nodes = _max_tree_nodes(target, tree, bool(config.do_sample), verify_costs is not None, planner)
     max_tokens = max(draft.config.block_size, max_tree_nodes + 1)
-    costs = _resolve_verify_costs(target, draft, verify_costs, 1 if row_by_row else batch_size, max_tokens)
+    costs = _resolve_verify_costs(target, draft, verify_costs, planner, 1 if row_by_row else batch_size, max_tokens)
     parameters = inspect.signature(target.forward).parameters
     setup = _Setup(
         target=target,
@@ -228,6 +233,7 @@ def speculative_generate(
         pass_positions="position_ids" in parameters,
         pass_logits_to_keep="logits_to_keep" in parameters,
         verify_costs=costs,
+        planner=planner,
         max_tree_nodes=max_tree_nodes,
         sample_proposals=sample_proposals,
     )
@@ -246,7 +252,9 @@ def _prepare_for_cpu(target: PreTrainedModel, draft: PreTrainedModel) -> None:
     optimize_target_and_draft_for_cpu(target, draft)
 
 
-def _max_tree_nodes(target: PreTrainedModel, tree: bool | int | None, do_sample: bool, costed: bool) -> int:
+def _max_tree_nodes(
+    target: PreTrainedModel, tree: bool | int | None, do_sample: bool, costed: bool, planner: VerifyPlanner
+) -> int:
     """How many nodes a round may verify as a tree; 0: chains (see `speculative_generate`'s `tree`)."""
     if tree is None:
         wanted = DEFAULT_TREE_NODES if costed and not do_sample else 0
@@ -258,7 +266,7 @@ def _max_tree_nodes(target: PreTrainedModel, tree: bool | int | None, do_sample:
         raise ValueError(f"tree must be None, a bool or a number of nodes >= 0, got {tree!r}.")
     if wanted == 0:
         return 0
-    reason = tree_unsupported_reason(target, do_sample)
+    reason = tree_unsupported_reason(target, do_sample, planner)
     if reason is None:
         return wanted
     if tree is None:  # the default quietly falls back to chains
@@ -267,22 +275,28 @@ def _max_tree_nodes(target: PreTrainedModel, tree: bool | int | None, do_sample:
     raise ValueError(f"tree={tree!r} cannot be used: {reason}. Pass tree=False (chains).")
 
 
-def tree_unsupported_reason(target: PreTrainedModel, do_sample: bool) -> str | None:
-    """Why `target` cannot verify draft trees under these settings, or `None` when it can."""
+def tree_unsupported_reason(
+    target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner | None = None
+) -> str | None:
+    """Why `target` cannot verify draft trees under these settings, or `None` when it can (tree support is
+    checked once per `planner`; `None`: checked now)."""
+    planner = planner if planner is not None else VerifyPlanner()
     if do_sample:
         return "draft trees are verified for greedy decoding only (sampling verifies chains)"
     if _has_sliding_window(target):
         return "the target has sliding-window attention, whose window a tree's positions would break"
-    if not supports_tree_verification(target):
+    if not planner.supports_trees(target):
         return "the target does not verify a tree exactly in one forward (a 4D attention mask and positions)"
     return None
 
 
-def _resolve_verify_costs(target, draft, verify_costs, batch_size: int, max_tokens: int) -> VerifyCosts | None:
+def _resolve_verify_costs(
+    target, draft, verify_costs, planner: VerifyPlanner, batch_size: int, max_tokens: int
+) -> VerifyCosts | None:
     if verify_costs is None or isinstance(verify_costs, VerifyCosts):
         return verify_costs
     if verify_costs == "auto":
-        return cached_verify_costs(target, draft, batch_size, max_tokens)
+        return planner.costs_for(target, draft, batch_size, max_tokens)
     raise ValueError(f"verify_costs must be None, 'auto' or a VerifyCosts, got {verify_costs!r}.")
 
 
@@ -353,6 +367,7 @@ class _Setup:
     pass_positions: bool  # the target's forward takes `position_ids`
     pass_logits_to_keep: bool  # ... and `logits_to_keep`
     verify_costs: VerifyCosts | None
+    planner: VerifyPlanner  # keeps each path's fallback (and what it measured) for the caller's next call
     max_tree_nodes: int  # 0: chains only
     sample_proposals: bool  # sampling: propose samples of q (True) or the draft's argmax with a one-hot q
 
@@ -362,7 +377,7 @@ class _Setup:
 
     @property
     def path(self) -> str:
-        """The decoding path, as the fallback keeps its judgements apart (`VerifyCosts.fallback`)."""
+        """The decoding path, as the planner keeps its fallbacks apart (`VerifyPlanner.fallback`)."""
         proposals = "samples" if self.sample_proposals else "argmax"
         sampling = f"do_sample, proposing {proposals}" if self.do_sample else "greedy"
         return f"speculative_generate({sampling}, tree of {self.max_tree_nodes} nodes)"
@@ -414,7 +429,7 @@ class Proposal:
 def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Tensor, streamer) -> SpeculativeOutput:
     """Prefill, then rounds of draft / plan / verify / accept / keep until every row is done."""
     stats = SpeculativeStats(block_size=setup.block_size)
-    fallback = setup.verify_costs.fallback(setup.path) if setup.verify_costs is not None else None
+    fallback = setup.planner.fallback(setup.verify_costs, setup.path) if setup.verify_costs is not None else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
     state = prefill(setup, input_ids, attention_mask, stats)
@@ -479,20 +494,19 @@ def draft_block(setup: _Setup, state: DecodeState) -> torch.Tensor:
     and leaves only context K/V in the draft cache."""
     context, context_mask, context_positions = state.take_context()
     batch = state.bonus.shape[0]
-    block = noise_block(state.bonus[:, None], setup.block_size, setup.draft.config.mask_token_id)
-    block_positions = state.next_position[:, None] + torch.arange(setup.block_size, device=block.device)
-    out = setup.draft(
-        noise_embeds=setup.target.get_input_embeddings()(block),
-        context_hidden_states=context,
-        position_ids=torch.cat([context_positions, block_positions], dim=1),
-        attention_mask=torch.cat(
-            [state.draft_key_mask, context_mask, context_mask.new_ones(batch, setup.block_size)], 1
-        ),
-        cache=state.draft_cache,
+    block_positions = state.next_position[:, None] + torch.arange(setup.block_size, device=context.device)
+    key_mask = torch.cat([state.draft_key_mask, context_mask, context_mask.new_ones(batch, setup.block_size)], 1)
+    hidden = draft_forward(
+        setup.draft,
+        setup.target.get_input_embeddings(),
+        state.bonus[:, None],
+        context,
+        torch.cat([context_positions, block_positions], dim=1),
+        key_mask,
+        state.draft_cache,
     )
-    state.draft_cache.crop(-setup.block_size)  # keep context K/V only
     state.draft_key_mask = torch.cat([state.draft_key_mask, context_mask], dim=1)
-    return out.last_hidden_state
+    return hidden
 
 
 def propose(setup: _Setup, state: DecodeState) -> Proposal:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,6 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 ROOT = -1  # parent id of depth-1 nodes: the bonus token
-_TREE_SUPPORT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {attn implementation: bool}
 
 
 @dataclass(frozen=True)
@@ -176,16 +174,13 @@ def keep_path(cache: Cache, num_fed: int, path: torch.LongTensor) -> None:
 @torch.no_grad()
 def supports_tree_verification(target: PreTrainedModel) -> bool:
     """Whether `target` verifies a tree exactly: one forward over `[b, a1, a2, c1]` with a tree mask (`a1`, `a2`
-    siblings, `c1` a child of `a1`) must give the logits of the chains `[b, a1, c1]` and `[b, a2]`. Checked once per
-    target and attention implementation (three forwards over a few tokens), then answered from memory. Targets that
-    ignore a 4D mask or per-token positions, and sliding-window targets, verify chains only."""
-    key = getattr(target.config, "_attn_implementation", None)
-    per_target = _TREE_SUPPORT.setdefault(target, {})
-    if key not in per_target:
-        per_target[key] = _tree_matches_chains(target)
-        if not per_target[key]:
-            logger.info(f"{type(target).__name__} cannot verify draft trees in one forward; it verifies chains.")
-    return per_target[key]
+    siblings, `c1` a child of `a1`) must give the logits of the chains `[b, a1, c1]` and `[b, a2]` (three forwards
+    over a few tokens; `VerifyPlanner.supports_trees` asks once per attention implementation). Targets that ignore a
+    4D mask or per-token positions, and sliding-window targets, verify chains only."""
+    if _tree_matches_chains(target):
+        return True
+    logger.info(f"{type(target).__name__} cannot verify draft trees in one forward; it verifies chains.")
+    return False
 
 
 def _tree_matches_chains(target: PreTrainedModel) -> bool:
