@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -17,14 +18,24 @@ from helpers import PAD, VOCAB, greedy_reference, make_target
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from hf_dflash.data import prompts
-from hf_dflash.data.chat import apply_chat_template, encode_prompt, end_of_turn_ids, user_header
+from hf_dflash.data.chat import (
+    apply_chat_template,
+    assistant_turn_closer,
+    encode_messages,
+    encode_prompt,
+    end_of_turn_ids,
+    has_chat_template,
+    render_messages,
+    user_header,
+    user_turn_closer,
+)
 from hf_dflash.data.evaluation import EVALUATION_SETS
 from hf_dflash.data.prompts import Prompt, load_prompts, prompt_set_path
-from hf_dflash.data.records import completed_ids, drop_torn_last_line, load_training_dataset
-from hf_dflash.data.regenerate import regenerate_responses
+from hf_dflash.data.records import completed_ids, drop_torn_last_line, load_training_dataset, record_line
+from hf_dflash.data.regenerate import regenerate_records, regenerate_responses
 from hf_dflash.data.sources import (
     prompts_from_dataset,
     prompts_from_jsonl,
@@ -32,6 +43,7 @@ from hf_dflash.data.sources import (
     training_prompts,
     write_prompts_jsonl,
 )
+from hf_dflash.data.tokens import cut_at_stop, left_pad, pad_token_id_for
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -416,3 +428,121 @@ def test_the_committed_ablation_data_was_regenerated_from_filtered_prompts_only(
     assert set(records["source"]) == {"sharegpt", "math500"}
     assert len(records) == 634 and len(set(records["id"])) == 634
     assert set(records["id"]) <= kept
+
+
+# The canonical rules (hf_dflash.data.tokens, hf_dflash.data.chat) and the shared regeneration loop
+
+
+def test_the_pad_id_is_the_tokenizers_pad_else_the_generation_configs_pad_else_its_first_eos_else_0(tokenizer):
+    config = GenerationConfig(pad_token_id=5, eos_token_id=[7, 3])
+    assert pad_token_id_for(config, tokenizer) == PAD  # the tokenizer's pad first
+    assert pad_token_id_for(config, None) == 5
+    assert pad_token_id_for(GenerationConfig(eos_token_id=[7, 3]), None) == 7  # as speculative_generate pads
+    assert pad_token_id_for(GenerationConfig(eos_token_id=4), SimpleNamespace(pad_token_id=None)) == 4
+    assert pad_token_id_for(GenerationConfig(), SimpleNamespace(pad_token_id=None, eos_token_id=9)) == 0
+    target = make_target("llama")
+    target.generation_config.pad_token_id, target.generation_config.eos_token_id = None, [11, 12]
+    assert pad_token_id_for(target) == 11  # a model is read through its generation config
+
+
+def test_left_pad_right_aligns_rows_with_a_mask_over_the_real_tokens():
+    ids, mask = left_pad([[5, 6, 7], [8], []], pad_token_id=1)
+    assert ids.tolist() == [[5, 6, 7], [1, 1, 8], [1, 1, 1]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
+    assert ids.dtype == mask.dtype == torch.long and ids.device.type == "cpu"
+    tensors, tensor_mask = left_pad([torch.tensor([4, 4]), torch.tensor([3])], pad_token_id=0)
+    assert tensors.tolist() == [[4, 4], [0, 3]] and tensor_mask.tolist() == [[1, 1], [0, 1]]
+    assert left_pad([[2]], 0, device="meta")[0].device.type == "meta"
+
+
+def test_cut_at_stop_keeps_tokens_through_the_first_stop_only():
+    assert cut_at_stop([4, 9, 5, 9, 6], {9, 5}) == [4, 9]
+    assert cut_at_stop([9, 4], [9]) == [9]
+    assert cut_at_stop((4, 5, 6), []) == [4, 5, 6]  # no stop: every token
+    assert cut_at_stop([], [1]) == []
+
+
+MISTRAL_LIKE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_the_chat_template_probes_find_the_header_and_the_turn_closers(tokenizer):
+    assert has_chat_template(tokenizer)
+    assert user_header(tokenizer) == "<|im_start|> user "
+    assert user_turn_closer(tokenizer) == assistant_turn_closer(tokenizer) == END_OF_TURN
+    messages = [{"role": "user", "content": "w1 w2"}]
+    assert render_messages(tokenizer, messages) == "<|im_start|> user w1 w2 <|im_end|> <|im_start|> assistant "
+    assert encode_messages(tokenizer, messages) == tokenizer(render_messages(tokenizer, messages)).input_ids
+    assert encode_prompt(tokenizer, user_prompt("t/0", "w1 w2")) == encode_messages(tokenizer, messages)
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]"], "bos_token": "system"})
+    tokenizer.chat_template = MISTRAL_LIKE  # user turns close with [/INST], assistant turns with EOS
+    assert user_turn_closer(tokenizer) == tokenizer.convert_tokens_to_ids("[/INST]")
+    assert assistant_turn_closer(tokenizer) == tokenizer.eos_token_id
+    assert user_header(tokenizer) == "system[INST] "
+
+    tokenizer.chat_template = "{% if messages[-1]['role'] != 'user' %}{{ raise_exception('no') }}{% endif %}x"
+    assert assistant_turn_closer(tokenizer) is None  # a template refusing the probe: callers fall back to EOS
+
+    tokenizer.chat_template = None
+    assert not has_chat_template(tokenizer)
+    assert user_turn_closer(tokenizer) is None and assistant_turn_closer(tokenizer) is None
+    assert render_messages(tokenizer, [*messages, {"role": "user", "content": "w3"}]) == "w1 w2\n\nw3"
+    with pytest.raises(ValueError, match="no chat template"):
+        user_header(tokenizer)
+
+
+def test_the_shared_loop_writes_each_yielded_batch_skips_empty_answers_and_resumes(tokenizer, tmp_path):
+    prompts_ = make_prompts(3)
+    path = tmp_path / "sub" / "out.jsonl"
+    asked = []
+
+    def answer(todo):
+        asked.append([prompt.id for prompt, _ in todo])
+        answered = [(p, ids, [] if p.id == "test/2" else [7, END_OF_TURN]) for p, ids in todo]
+        return iter([answered[:2], answered[2:]])  # test/2's answer is empty
+
+    assert regenerate_records(tokenizer, prompts_, path, answer, max_prompt_tokens=64, progress=False) == 3
+    lines = path.read_text().splitlines(keepends=True)
+    ids = encode_prompt(tokenizer, prompts_[0])
+    assert lines[0] == record_line(prompts_[0], ids, [7, END_OF_TURN])
+    assert (
+        lines[0]
+        == json.dumps(
+            {
+                "id": "test/0",
+                "source": "test",
+                "prompt_len": len(ids),
+                "input_ids": [*ids, 7, 2],
+                "loss_mask": [0] * len(ids) + [1, 1],
+            },
+            separators=(",", ":"),
+        )
+        + "\n"
+    )
+    assert [json.loads(line)["id"] for line in lines] == ["test/0", "test/1"]  # the empty answer is not written
+
+    with path.open("a") as file:
+        file.write('{"id": "test/')  # a torn last line
+    assert regenerate_records(tokenizer, prompts_, path, answer, max_prompt_tokens=64, progress=False) == 1
+    assert asked == [["test/0", "test/1", "test/2"], ["test/2"]]
+    assert path.read_text() == "".join(lines)  # torn line cut; the empty answer asked for again, still empty
+
+    def never(todo):
+        raise AssertionError("nothing was pending")
+
+    assert regenerate_records(tokenizer, prompts_[:2], path, never, max_prompt_tokens=64) == 0
+    fresh = tmp_path / "fresh.jsonl"
+    assert regenerate_records(tokenizer, prompts_, fresh, never, max_prompt_tokens=1) == 0  # all too long
+    assert not fresh.exists()
+
+
+def test_a_failing_answer_setup_leaves_no_file(tokenizer, tmp_path):
+    def refuse(todo):
+        raise ConnectionError("no server")
+
+    with pytest.raises(ConnectionError):
+        regenerate_records(tokenizer, make_prompts(2), tmp_path / "out.jsonl", refuse, max_prompt_tokens=64)
+    assert not (tmp_path / "out.jsonl").exists()
