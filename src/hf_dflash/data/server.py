@@ -159,9 +159,8 @@ class _Job:
 
     def request(self, model: str, text: str, prompt_id: str) -> dict:
         """The completions request for one prompt's rendered text (``extra_body`` wins over every other field)."""
-        return {"model": model, "prompt": text, "seed": _request_seed(self.seed, prompt_id), **self.sampling} | (
-            self.extra_body
-        )
+        fields = {"model": model, "prompt": text, "seed": _request_seed(self.seed, prompt_id), **self.sampling}
+        return fields | self.extra_body
 
 
 def _answered_batches(
