@@ -41,8 +41,9 @@ import torch  # noqa: E402
 
 from hf_dflash import speculative_generate  # noqa: E402
 from hf_dflash.bench.harness import time_draft_forward  # noqa: E402
+from hf_dflash.data.chat import encode_prompt  # noqa: E402
 from hf_dflash.data.prompts import load_prompts  # noqa: E402
-from hf_dflash.data.regenerate import encode_prompt, load_training_dataset  # noqa: E402
+from hf_dflash.data.records import load_training_dataset  # noqa: E402
 from hf_dflash.decoding.policy import VerifyCosts, measure_verify_costs  # noqa: E402
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
 from hf_dflash.training.script import held_out_prompts  # noqa: E402

@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from helpers import OracleDraft  # noqa: E402
 
 from hf_dflash import DFlashForDrafting, speculative_generate  # noqa: E402
-from hf_dflash.data.prompts import apply_chat_template, load_prompts  # noqa: E402
+from hf_dflash.data.chat import apply_chat_template  # noqa: E402
+from hf_dflash.data.prompts import load_prompts  # noqa: E402
 from hf_dflash.targets import load_target  # noqa: E402
 
 

@@ -41,8 +41,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from hf_dflash import speculative_generate  # noqa: E402
+from hf_dflash.data.chat import encode_prompt  # noqa: E402
 from hf_dflash.data.prompts import load_prompts, split_set_limit  # noqa: E402
-from hf_dflash.data.regenerate import encode_prompt  # noqa: E402
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")

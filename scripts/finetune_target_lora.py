@@ -43,8 +43,9 @@ import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
+from hf_dflash.data.chat import encode_prompt, end_of_turn_ids  # noqa: E402
 from hf_dflash.data.prompts import load_prompts  # noqa: E402
-from hf_dflash.data.regenerate import encode_prompt, end_of_turn_ids, load_training_dataset  # noqa: E402
+from hf_dflash.data.records import load_training_dataset  # noqa: E402
 from hf_dflash.loading import load_target_and_tokenizer  # noqa: E402
 
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -15,7 +15,7 @@ import itertools
 import re
 
 from hf_dflash.data.prompts import load_prompts
-from hf_dflash.data.regenerate import write_prompts_jsonl
+from hf_dflash.data.sources import write_prompts_jsonl
 
 TOPICS = {
     "python": r"\bpython\b|\bdef \w+\(|\bpandas\b|\bnumpy\b|\bdjango\b|\bflask\b|```py",

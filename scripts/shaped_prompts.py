@@ -31,8 +31,9 @@ import sysconfig
 from collections.abc import Collection
 from pathlib import Path
 
+from hf_dflash.data.evaluation import comparable_text, normalize_text
 from hf_dflash.data.prompts import HUMANEVAL_INSTRUCTION, Prompt
-from hf_dflash.data.regenerate import comparable_text, normalize_text, prompts_from_jsonl, write_prompts_jsonl
+from hf_dflash.data.sources import prompts_from_jsonl, write_prompts_jsonl
 
 # Standard-library folders that hold tests, demos or GUI code rather than self-contained functions.
 SKIPPED_STDLIB_DIRS = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "site-packages", "ensurepip"}

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_dflash.atomic_files import atomic_path, created_mode, write_text_atomic
-from hf_dflash.data.regenerate import Prompt, prompts_from_jsonl, write_prompts_jsonl
+from hf_dflash.data.prompts import Prompt
+from hf_dflash.data.sources import prompts_from_jsonl, write_prompts_jsonl
 from hf_dflash.training.target_features import _write
 
 

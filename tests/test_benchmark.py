@@ -260,7 +260,7 @@ def test_trees_are_left_out_where_the_target_cannot_verify_one():
 
 
 def test_datasets_take_their_own_limit(monkeypatch):
-    from hf_dflash.data import prompts
+    from hf_dflash.data import chat, prompts
 
     asked = {}
 
@@ -273,7 +273,7 @@ def test_datasets_take_their_own_limit(monkeypatch):
             return type("Encoding", (), {"input_ids": torch.tensor([[1, 2]])})()
 
     monkeypatch.setattr(prompts, "load_prompts", load_prompts)
-    monkeypatch.setattr(prompts, "apply_chat_template", lambda tokenizer, prompt: "text")
+    monkeypatch.setattr(chat, "apply_chat_template", lambda tokenizer, prompt: "text")
     loaded = load_benchmark_prompts(Tokenizer(), ["gsm8k", "mt-bench:2"], limit=3)
     assert asked == {"gsm8k": 3, "mt-bench": 2}
     assert [p.id for p in loaded] == ["gsm8k/0", "gsm8k/1", "gsm8k/2", "mt-bench/0", "mt-bench/1"]

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_dflash import DFlashForDrafting
-from hf_dflash.data.regenerate import encode_prompt, prompts_from_jsonl
+from hf_dflash.data.chat import encode_prompt
+from hf_dflash.data.sources import prompts_from_jsonl
 from hf_dflash.targets import converted_target_folder
 
 pytestmark = pytest.mark.slow

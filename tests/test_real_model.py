@@ -9,7 +9,8 @@ import torch
 from helpers import packaged_target_or_skip
 
 from hf_dflash import DFlashForDrafting, speculative_generate
-from hf_dflash.data.prompts import apply_chat_template, load_prompts
+from hf_dflash.data.chat import apply_chat_template
+from hf_dflash.data.prompts import load_prompts
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,8 +12,9 @@ import torch
 from helpers import load_module, make_draft, make_target
 
 from hf_dflash import DFlashForDrafting
-from hf_dflash.data import regenerate as data
+from hf_dflash.data.evaluation import EVALUATION_SETS, comparable_text
 from hf_dflash.data.prompts import HUMANEVAL_INSTRUCTION, prompt_set_path
+from hf_dflash.data.sources import training_prompts, write_prompts_jsonl
 from hf_dflash.model_card import write_training_info
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -64,14 +65,14 @@ def test_excluded_functions_are_not_chosen_again():
     first = shaped_prompts.stdlib_functions(300, seed=0)
     used = {p.messages[0]["content"] for p in first}
 
-    rest = shaped_prompts.stdlib_functions(10_000, seed=1, taken={data.comparable_text(p) for p in first})
+    rest = shaped_prompts.stdlib_functions(10_000, seed=1, taken={comparable_text(p) for p in first})
 
     assert not used & {p.messages[0]["content"] for p in rest}
     assert len(rest) == len(shaped_prompts.stdlib_functions(10_000, seed=1)) - 300
 
 
 def test_shaped_prompts_hold_no_benchmark_item(tmp_path):
-    for name in data.EVALUATION_SETS:
+    for name in EVALUATION_SETS:
         try:
             prompt_set_path(name)
         except (ModuleNotFoundError, FileNotFoundError) as error:
@@ -82,9 +83,9 @@ def test_shaped_prompts_hold_no_benchmark_item(tmp_path):
         + shaped_prompts.word_problems(200, seed=0)
         + shaped_prompts.multi_step_problems(200, seed=0)
     )
-    data.write_prompts_jsonl(prompts, path)
+    write_prompts_jsonl(prompts, path)
 
-    kept = data.training_prompts([str(path)], limit_per_source=len(prompts))
+    kept = training_prompts([str(path)], limit_per_source=len(prompts))
 
     assert {p.id for p in kept} == {p.id for p in prompts}
 

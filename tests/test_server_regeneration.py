@@ -23,12 +23,16 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from hf_dflash.data import regenerate as data
-from hf_dflash.data.prompts import Prompt, apply_chat_template
+from hf_dflash.data.chat import apply_chat_template, end_of_turn_ids
+from hf_dflash.data.evaluation import EVALUATION_SETS
+from hf_dflash.data.prompts import Prompt
+from hf_dflash.data.records import load_training_dataset
+from hf_dflash.data.regenerate import generate_responses, regenerate_responses
 from hf_dflash.data.server import (
     regenerate_responses_with_server,
     turn_end_id,
 )
+from hf_dflash.data.sources import write_prompts_jsonl
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -98,15 +102,15 @@ def target():
 
 @pytest.fixture(scope="module")
 def stop_ids(target, tokenizer):
-    assert data.end_of_turn_ids(target, tokenizer) == sorted([END_OF_TURN, STOP_WORD])
-    return data.end_of_turn_ids(target, tokenizer)
+    assert end_of_turn_ids(target, tokenizer) == sorted([END_OF_TURN, STOP_WORD])
+    return end_of_turn_ids(target, tokenizer)
 
 
 @pytest.fixture(scope="module")
 def local_records(target, tokenizer, tmp_path_factory) -> dict[str, dict]:
-    """What ``data.regenerate_responses`` writes for 12 prompts with the target loaded locally."""
+    """What ``regenerate_responses`` writes for 12 prompts with the target loaded locally."""
     path = tmp_path_factory.mktemp("local") / "local.jsonl"
-    data.regenerate_responses(
+    regenerate_responses(
         target, tokenizer, make_prompts(12), path, max_new_tokens=MAX_NEW, batch_size=4, progress=False
     )
     return by_id(read_records(path))
@@ -144,7 +148,7 @@ class Engine:
     def complete(self, body: dict) -> dict:
         ids = self.tokenizer(body["prompt"], add_special_tokens=False).input_ids
         with self.lock:
-            response = data.generate_responses(
+            response = generate_responses(
                 self.target, [ids], pad_token_id=PAD, stop_ids=self.stop_ids, max_new_tokens=body["max_tokens"]
             )[0]
         stopped = response[-1] in self.stop_ids
@@ -217,7 +221,7 @@ def test_server_records_equal_local_records_token_for_token(engine, tokenizer, s
     endings = Counter(r["input_ids"][-1] if r["input_ids"][-1] in stop_ids else "length" for r in records.values())
     assert endings.keys() == {END_OF_TURN, STOP_WORD, "length"}  # both stops (named or not) and a cut response
     assert min(len(r["input_ids"]) - r["prompt_len"] for r in records.values()) == 1  # an empty text + <|im_end|>
-    assert len(data.load_training_dataset(path)) == len(prompts)
+    assert len(load_training_dataset(path)) == len(prompts)
 
     # Each prompt was sent once, as the rendered template, greedy, with its own seed, to the listed model.
     assert sorted(r["prompt"] for r in engine.requests) == sorted(apply_chat_template(tokenizer, p) for p in prompts)
@@ -359,11 +363,11 @@ def test_the_appended_end_of_turn_is_the_token_closing_an_assistant_message(targ
         eos="</s>",
     )
     inst_end, eos = mistral.convert_tokens_to_ids(["[/INST]", "</s>"])
-    assert data.end_of_turn_ids(GenerationConfig(), mistral) == sorted([inst_end, eos])
+    assert end_of_turn_ids(GenerationConfig(), mistral) == sorted([inst_end, eos])
     assert turn_end_id(mistral, [inst_end, eos]) == eos
     # Without the target's weights, its generation config gives the same stop ids.
     generation_config = GenerationConfig(eos_token_id=STOP_WORD)
-    assert data.end_of_turn_ids(generation_config, tokenizer) == data.end_of_turn_ids(target, tokenizer)
+    assert end_of_turn_ids(generation_config, tokenizer) == end_of_turn_ids(target, tokenizer)
 
 
 def test_data_command_regenerates_through_the_server(engine, target, tokenizer, local_records, tmp_path):
@@ -378,10 +382,10 @@ def test_data_command_regenerates_through_the_server(engine, target, tokenizer, 
     target.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     prompts_path, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
-    data.write_prompts_jsonl(make_prompts(6), prompts_path)
+    write_prompts_jsonl(make_prompts(6), prompts_path)
     argv = ["data", "--target", str(folder), "--server_url", engine.url, "--source", str(prompts_path)]
     argv += ["--num_prompts", "6", "--max_new_tokens", str(MAX_NEW), "--output", str(output), "--concurrency", "2"]
-    argv += [arg for name in data.EVALUATION_SETS for arg in ("--unfiltered_evaluation_set", name)]
+    argv += [arg for name in EVALUATION_SETS for arg in ("--unfiltered_evaluation_set", name)]
     package_logger = logging.getLogger("hf_dflash")
     handlers, level = list(package_logger.handlers), package_logger.level
     try:

@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_dflash import targets
 from hf_dflash.data import prompts
-from hf_dflash.data.prompts import KNOWN_PROMPT_SETS, Prompt, apply_chat_template, load_prompts
+from hf_dflash.data.chat import apply_chat_template
+from hf_dflash.data.prompts import KNOWN_PROMPT_SETS, Prompt, load_prompts
 from hf_dflash.targets import KNOWN_TARGETS, convert_and_cache, load_converted, load_target
 
 # Items per set in the pinned package versions (ShareGPT's count depends on SHAREGPT_MAX_CHARS).

@@ -276,7 +276,8 @@ def count_new_tokens(generated: torch.LongTensor, eos_token_ids: Sequence[int]) 
 
 def load_benchmark_prompts(tokenizer, datasets: Sequence[str], limit: int | None) -> list[BenchmarkPrompt]:
     """The first `limit` prompts of each dataset (`"name:N"`: its first N), chat template applied, tokenized."""
-    from hf_dflash.data.prompts import apply_chat_template, load_prompts, split_set_limit
+    from hf_dflash.data.chat import apply_chat_template
+    from hf_dflash.data.prompts import load_prompts, split_set_limit
 
     prompts = []
     for entry in datasets:

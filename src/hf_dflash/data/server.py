@@ -1,23 +1,24 @@
 """Regenerate training responses on a running inference server through its OpenAI-compatible completions API.
 
-``data.regenerate_responses`` loads the target locally; users who already serve it (vLLM, SGLang, TGI,
+``regenerate.regenerate_responses`` loads the target locally; users who already serve it (vLLM, SGLang, TGI,
 llama.cpp's server all answer ``POST /v1/completions``) can have that engine write the responses instead with
 ``regenerate_responses_with_server``. The design:
 
 - **The same records in the same file.** Prompt ids are the local tokenizer's chat-template encoding
-  (``data.encode_prompt``) and the server is sent the very text that encoding tokenizes
-  (``prompts.apply_chat_template``). The answer's ``choices[0].text`` is tokenized without special tokens; a
+  (``chat.encode_prompt``) and the server is sent the very text that encoding tokenizes
+  (``chat.apply_chat_template``). The answer's ``choices[0].text`` is tokenized without special tokens; a
   ``"stop"`` finish gets its end-of-turn token appended (the stop id the server names in ``stop_reason`` /
   ``matched_stop`` when it names one, else ``turn_end_id``: the stop id closing an assistant turn in the
-  template), so the record ends like a locally generated one; a ``"length"`` finish leaves it unfinished.
+  template, ``chat.assistant_turn_closer``), so the record ends like a locally generated one; a ``"length"`` finish leaves it unfinished.
   Records equal the local ones token for token when decoding then encoding a response round-trips, which holds
   for most text but not all (a BPE may merge differently across what were two tokens; engines drop special
   tokens from the text unless told otherwise).
 - **One writer.** Worker threads (``concurrent.futures``, ``urllib``; no extra dependency) only send
-  requests; the main thread appends each finished record as one line, flushed and fsynced, so a crash tears
-  at most the last line and nothing is written twice. Rerunning the same call resumes: ids already in the
-  file are skipped (``data.completed_ids``) and a torn last line is cut first (``data.drop_torn_last_line``).
-  Lines are in completion order, not prompt order. At most ``2 * concurrency`` requests are queued at a time.
+  requests; the main thread writes the answers through the loop local regeneration uses
+  (``regenerate.regenerate_records``): those that arrived at each wake-up as one write, flushed and fsynced, so a
+  crash tears at most the last line and nothing is written twice. Rerunning the same call resumes: ids already in
+  the file are skipped and a torn last line is cut first (``records.completed_ids``,
+  ``records.drop_torn_last_line``). Lines are in completion order, not prompt order. At most ``2 * concurrency`` requests are queued at a time.
 - **Retries.** Connection errors, timeouts, HTTP 429 and 5xx are retried with exponential backoff and jitter
   (honouring ``Retry-After``), up to ``max_retries`` times per prompt; other 4xx answers and malformed bodies
   fail at once. After the first failure no new prompt is sent and no request is retried, the answers still in
@@ -37,7 +38,6 @@ import random
 import threading
 import urllib.error
 import urllib.request
-import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import transformers
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from hf_dflash.data.prompts import Prompt, apply_chat_template
-from hf_dflash.data.regenerate import drop_torn_last_line, pending_prompts
+from hf_dflash.data.chat import apply_chat_template, assistant_turn_closer
+from hf_dflash.data.prompts import Prompt
+from hf_dflash.data.regenerate import Answered, Pending, prompt_seed, regenerate_records
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -57,7 +57,6 @@ logger = transformers.utils.logging.get_logger(__name__)
 STOP_FINISHES = ("stop", "eos_token")
 LENGTH_FINISH = "length"
 MAX_BACKOFF_S = 60.0  # no single wait between retries is longer, whatever Retry-After asks
-_SENTINEL = "\u2063HF_DFLASH_ASSISTANT\u2063"  # a string no chat template or prompt contains
 
 
 def regenerate_responses_with_server(
@@ -83,7 +82,7 @@ def regenerate_responses_with_server(
     progress: bool = True,
 ) -> Path:
     """Have an OpenAI-compatible server generate the response to each prompt and append ``{id, source,
-    prompt_len, input_ids, loss_mask}`` records to ``output_path`` (JSONL), as ``data.regenerate_responses``
+    prompt_len, input_ids, loss_mask}`` records to ``output_path`` (JSONL), as ``regenerate.regenerate_responses``
     does with a local target.
 
     Args:
@@ -92,7 +91,7 @@ def regenerate_responses_with_server(
             ``max_prompt_tokens`` (in the chat template) are skipped.
         output_path: the JSONL file, appended to; rerunning the same call resumes it.
         server_url: the API base, ending in ``/v1`` (``http://host:8000/v1``).
-        stop_ids: the ids that end a turn, as ``data.end_of_turn_ids`` (of the target or its ``GenerationConfig``)
+        stop_ids: the ids that end a turn, as ``chat.end_of_turn_ids`` (of the target or its ``GenerationConfig``)
             gives them; one of them is appended to responses the server reports as stopped.
         model: the served model's name; ``None`` asks ``GET {server_url}/models`` and takes the first.
         max_new_tokens, do_sample, temperature, top_p: sent as ``max_tokens``, ``temperature`` (0 when
@@ -116,59 +115,83 @@ def regenerate_responses_with_server(
         raise ValueError(
             f"concurrency must be at least 1 and max_retries at least 0, got {concurrency}, {max_retries}"
         )
-    output_path = Path(output_path)
-    drop_torn_last_line(output_path)
-    todo = _pending(tokenizer, prompts, output_path, max_prompt_tokens)
-    if not todo:
-        return output_path
     client = _Client(server_url.rstrip("/"), timeout_s, max_retries, backoff_s, api_key)
-    model = model or client.first_model_id()
-    turn_end = turn_end_id(tokenizer, stop_ids)
-    logger.info(f"Regenerating {len(todo)} responses on {client.url} (model {model!r}, {concurrency} at a time)")
     sampling = {
         "max_tokens": max_new_tokens,
         "temperature": temperature if do_sample else 0.0,
         "top_p": top_p if do_sample else 1.0,
         "stream": False,
     }
-    requests = [
-        {"model": model, "prompt": text, "seed": _request_seed(seed, prompt.id), **sampling, **(extra_body or {})}
-        for prompt, _, text in todo
-    ]
-    output_path.parent.mkdir(parents=True, exist_ok=True)
+    job = _Job(model, sampling, extra_body or {}, seed, concurrency, stop_ids)
     finishes = Counter()
-    with (
-        open(output_path, "a", encoding="utf-8") as file,
-        tqdm(total=len(todo), desc="regenerating", unit="prompt", disable=not progress) as bar,
-    ):
-        for answers in _answers(client, requests, [prompt.id for prompt, _, _ in todo], concurrency):
-            records = [_record(todo[index], choice, tokenizer, stop_ids, turn_end) for index, choice in answers]
-            finishes.update(choice["finish_reason"] for _, choice in answers)
-            kept = [record for record in records if len(record["input_ids"]) > record["prompt_len"]]
-            finishes["empty"] += len(records) - len(kept)
-            file.write("".join(json.dumps(record, separators=(",", ":")) + "\n" for record in kept))
-            file.flush()  # this thread is the only writer: a crash tears at most the last line
-            os.fsync(file.fileno())
-            bar.update(len(records))
-    _log_finishes(finishes, len(todo), max_new_tokens)
-    return output_path
+
+    def answer(todo: list[Pending]) -> Iterator[list[Answered]]:
+        return _answered_batches(client, job, tokenizer, todo, finishes)
+
+    total = regenerate_records(
+        tokenizer, prompts, output_path, answer, max_prompt_tokens=max_prompt_tokens, progress=progress
+    )
+    _log_finishes(finishes, total, max_new_tokens)
+    return Path(output_path)
 
 
 def turn_end_id(tokenizer: PreTrainedTokenizerBase, stop_ids: list[int]) -> int | None:
     """The stop id a finished assistant turn ends with: the token that closes an assistant message in the chat
     template (``<|im_end|>``, ``<|eot_id|>``, ``</s>`` for Mistral, whose user turns close with ``[/INST]``),
     else the tokenizer's EOS, else the smallest stop id; ``None`` when there is no stop id."""
-    candidates = [_assistant_turn_closer(tokenizer), tokenizer.eos_token_id, *sorted(stop_ids)]
+    candidates = [assistant_turn_closer(tokenizer), tokenizer.eos_token_id, *sorted(stop_ids)]
     return next((i for i in candidates if i is not None and i in stop_ids), None)
 
 
 # The run
 
 
-def _pending(tokenizer, prompts, output_path: Path, max_prompt_tokens: int) -> list[tuple[Prompt, list[int], str]]:
-    """(prompt, its ids, its rendered text) of each prompt still to answer, as ``regenerate_responses`` picks them."""
-    pending = pending_prompts(tokenizer, prompts, output_path, max_prompt_tokens)
-    return [(prompt, ids, apply_chat_template(tokenizer, prompt)) for prompt, ids in pending]
+@dataclass(frozen=True)
+class _Job:
+    """What every request of a run shares: the model (``None``: ask the server), sampling fields, extra fields."""
+
+    model: str | None
+    sampling: dict
+    extra_body: dict
+    seed: int
+    concurrency: int
+    stop_ids: list[int]
+
+    def request(self, model: str, text: str, prompt_id: str) -> dict:
+        """The completions request for one prompt's rendered text (``extra_body`` wins over every other field)."""
+        fields = {"model": model, "prompt": text, "seed": _request_seed(self.seed, prompt_id), **self.sampling}
+        return fields | self.extra_body
+
+
+def _answered_batches(
+    client: _Client, job: _Job, tokenizer: PreTrainedTokenizerBase, todo: list[Pending], finishes: Counter
+) -> Iterator[list[Answered]]:
+    """Ask the server for ``todo``'s answers: the model lookup runs now, the requests as the iterator is read.
+
+    Each answer's finish reason is counted in ``finishes``, and its empty responses as ``"empty"``.
+    """
+    model = job.model or client.first_model_id()
+    turn_end = turn_end_id(tokenizer, job.stop_ids)
+    logger.info(f"Regenerating {len(todo)} responses on {client.url} (model {model!r}, {job.concurrency} at a time)")
+    requests = [job.request(model, apply_chat_template(tokenizer, prompt), prompt.id) for prompt, _ in todo]
+    return _tallied(client, job, tokenizer, todo, requests, turn_end, finishes)
+
+
+def _tallied(
+    client: _Client,
+    job: _Job,
+    tokenizer: PreTrainedTokenizerBase,
+    todo: list[Pending],
+    requests: list[dict],
+    turn_end: int | None,
+    finishes: Counter,
+) -> Iterator[list[Answered]]:
+    """The answered prompts of each wake-up of ``_answers``, their finish reasons counted in ``finishes``."""
+    for answers in _answers(client, requests, [prompt.id for prompt, _ in todo], job.concurrency):
+        answered = [(*todo[i], _response(choice, tokenizer, job.stop_ids, turn_end)) for i, choice in answers]
+        finishes.update(choice["finish_reason"] for _, choice in answers)
+        finishes["empty"] += sum(not response for _, _, response in answered)
+        yield answered
 
 
 def _log_finishes(finishes: Counter, total: int, max_new_tokens: int) -> None:
@@ -219,39 +242,17 @@ def _answers(
 def _request_seed(seed: int, prompt_id: str) -> int:
     """The local path's seed formula (``seed * 1_000_003 + crc32(id)``) per prompt, kept within int32 for servers
     that parse seeds that way."""
-    return (seed * 1_000_003 + zlib.crc32(prompt_id.encode())) % 2**31
+    return prompt_seed(seed, prompt_id) % 2**31
 
 
-def _record(item: tuple[Prompt, list[int], str], choice: dict, tokenizer, stop_ids: list[int], turn_end: int | None):
-    """The JSONL record of one answer: the prompt ids, then the answer's ids and its end-of-turn token if it stopped."""
-    prompt, ids, _ = item
+def _response(choice: dict, tokenizer, stop_ids: list[int], turn_end: int | None) -> list[int]:
+    """The ids of one answer: its text's tokens, and its end-of-turn token if it stopped."""
     response = tokenizer(choice["text"], add_special_tokens=False).input_ids
     if choice["finish_reason"] in STOP_FINISHES:
         named = choice.get("stop_reason", choice.get("matched_stop"))  # vLLM's, SGLang's name of the stop token
         end = named if isinstance(named, int) and named in stop_ids else turn_end
         response += [end] if end is not None else []
-    return {
-        "id": prompt.id,
-        "source": prompt.dataset,
-        "prompt_len": len(ids),
-        "input_ids": ids + response,
-        "loss_mask": [0] * len(ids) + [1] * len(response),
-    }
-
-
-def _assistant_turn_closer(tokenizer) -> int | None:
-    """The special token right after an assistant message's content in the chat template, if there is one."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception:  # templates may refuse such a chat (jinja raise_exception); fall back to EOS
-        return None
-    if _SENTINEL not in text:
-        return None
-    suffix = tokenizer(text[text.index(_SENTINEL) + len(_SENTINEL) :], add_special_tokens=False).input_ids
-    return suffix[0] if suffix and suffix[0] in tokenizer.all_special_ids else None
+    return response
 
 
 # HTTP

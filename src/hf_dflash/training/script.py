@@ -21,7 +21,7 @@ from transformers import HfArgumentParser, PreTrainedModel
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from hf_dflash.data.regenerate import load_training_dataset
+from hf_dflash.data.records import load_training_dataset
 from hf_dflash.loading import TargetArguments, load_draft, load_target_from_arguments, resolve_device, same_device
 from hf_dflash.model.generation_dflash import token_ids
 from hf_dflash.model.modeling_dflash import DFlashForDrafting
