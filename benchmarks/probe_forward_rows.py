@@ -19,9 +19,9 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from hf_dflash import DFlashForDrafting
-from hf_dflash.cli import committed_drafter
 from hf_dflash.decoding.cpu_kernels import optimize_target_and_draft_for_cpu
 from hf_dflash.decoding.policy import measure_verify_costs
+from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
 SETUPS = ("stock", "fast", "exact")

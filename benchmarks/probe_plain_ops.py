@@ -14,8 +14,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hf_dflash import DFlashForDrafting, speculative_generate
-from hf_dflash.cli import committed_drafter
 from hf_dflash.decoding import policy as verify_policy
+from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
 torch.set_num_threads(int(sys.argv[1]))

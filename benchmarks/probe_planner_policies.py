@@ -12,10 +12,10 @@ import torch
 
 from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.bench.harness import load_benchmark_prompts
-from hf_dflash.cli import committed_drafter
 from hf_dflash.decoding import policy as verify_policy
 from hf_dflash.decoding import speculative
 from hf_dflash.decoding.policy import VerifyCosts, cached_verify_costs
+from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
 target, tok = load_target("smollm2-135m-instruct")

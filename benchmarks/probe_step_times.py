@@ -18,9 +18,9 @@ import torch
 
 from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.bench.harness import load_benchmark_prompts
-from hf_dflash.cli import committed_drafter
 from hf_dflash.decoding import policy as verify_policy
 from hf_dflash.decoding import speculative
+from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
 torch.set_num_threads(2)

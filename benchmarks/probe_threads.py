@@ -11,8 +11,8 @@ import torch
 
 from hf_dflash import DFlashForDrafting
 from hf_dflash.bench.harness import load_benchmark_prompts
-from hf_dflash.cli import committed_drafter
 from hf_dflash.decoding.policy import measure_verify_costs
+from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
 target, tok = load_target("smollm2-135m-instruct")

@@ -6,7 +6,7 @@ from helpers import FAMILY_CONFIGS, make_draft, make_target
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_dflash import loading
-from hf_dflash.cli.commands import FlagParser, add_target_flags, target_arguments
+from hf_dflash.cli.flags import FlagParser, add_target_flags, target_arguments
 from hf_dflash.training.script import parse_train_args
 
 

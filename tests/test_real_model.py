@@ -58,8 +58,8 @@ def test_committed_drafter_is_lossless_and_accepts_more_than_one_token(smollm2, 
     What the measured costs ("auto") plan depends on the machine (where a 16-token forward is cheap, trees verify more
     than the whole block), so the planner's effect is checked under fixed costs: a machine where each verified token
     adds 60% of a one-token forward (as the slowest 2-core machine measured) must verify fewer proposals."""
-    from hf_dflash.cli import committed_drafter
     from hf_dflash.decoding.policy import VerifyCosts
+    from hf_dflash.loading import committed_drafter
 
     folder = committed_drafter("smollm2-135m-instruct")
     if folder is None:
@@ -99,7 +99,7 @@ def test_committed_drafter_exports_the_real_target_heads_draft_rows(smollm2, tmp
     target head's rows of the draft vocabulary, beside the `d2t` that places them."""
     from safetensors.torch import load_file
 
-    from hf_dflash.cli import committed_drafter
+    from hf_dflash.loading import committed_drafter
 
     folder = committed_drafter("smollm2-135m-instruct")
     if folder is None:

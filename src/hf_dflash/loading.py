@@ -284,6 +284,7 @@ def _load_tokenizer(source: str, revision: str | None, remote: dict, required: b
 __all__ = [
     "TargetArguments",
     "apply_target_adapter",
+    "committed_drafter",
     "default_device",
     "load_draft",
     "load_target_and_tokenizer",
@@ -293,3 +294,12 @@ __all__ = [
     "same_device",
     "resolve_dtype",
 ]
+
+
+def committed_drafter(target_name: str) -> str | None:
+    """The drafter trained for a packaged target and committed in the git repository (`drafters/<target>`), if this
+    package runs from a checkout of it; None otherwise, as in an installed wheel, which carries no drafters (pass
+    their folder or Hub id instead)."""
+    repository = Path(__file__).resolve().parents[2]  # src/hf_dflash/loading.py -> the checkout's root
+    folder = repository / "drafters" / target_name
+    return str(folder) if (folder / "config.json").is_file() else None

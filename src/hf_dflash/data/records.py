@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import datasets
 import transformers
@@ -122,6 +123,20 @@ def load_training_dataset(path: str | os.PathLike) -> datasets.Dataset:
     if not columns["id"]:
         raise ValueError(f"{path} holds no records")
     return datasets.Dataset.from_dict(columns)
+
+
+def records_summary(path: str | os.PathLike, stop_ids: list[int]) -> dict[str, Any]:
+    """What a records JSONL holds: records, supervised (loss-masked) tokens, mean response length, and how many
+    responses ended their turn (a stop id last) rather than at the token budget."""
+    records = load_training_dataset(path)
+    supervised = sum(sum(mask) for mask in records["loss_mask"])
+    return {
+        "path": str(path),
+        "records": len(records),
+        "supervised_tokens": supervised,
+        "mean_response_tokens": round(supervised / len(records), 1),
+        "ended_with_eos": sum(ids[-1] in stop_ids for ids in records["input_ids"]),
+    }
 
 
 def _check_record(path: Path, number: int, record: dict) -> None:

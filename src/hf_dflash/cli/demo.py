@@ -1,0 +1,184 @@
+"""`hf-dflash demo`: one prompt on a real target, decoded three ways, with the tokens/s of each and whether they agree.
+
+The three paths are plain `target.generate`, transformers' `generate(assistant_model=draft)` and
+`hf_dflash.speculative_generate`, all greedy on the same inputs and on the models as prepared (`--cpu_kernels`).
+`compare_decoding_paths` does the work and returns a `PathComparison` (no printing; library material, kept here until
+a library module offers it); `run` loads, prints and exits 1 when the outputs differ. The drafter is `--draft`, else
+the one committed for the target in the source checkout (`hf_dflash.loading.committed_drafter`), else, with
+`--untrained`, a fresh one. Both drafted paths plan from one `VerifyPlanner`, whose costs are measured before any
+timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hf_dflash.decoding.policy import VerifyPlanner
+
+from .flags import add_cpu_kernel_flag, add_target_flags, prepare_cpu_kernels, target_arguments
+
+DEFAULT_PROMPT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half "
+    "as many clips in May. How many clips did Natalia sell altogether in April and May?"
+)
+PLAIN, ASSISTED, OURS = "target.generate", "generate(assistant_model=draft)", "speculative_generate"
+
+
+def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `demo` command's parser to `subparsers` and return it."""
+    parser = subparsers.add_parser("demo", help="generate on a real model with and without a DFlash drafter")
+    add_target_flags(parser)
+    parser.add_argument(
+        "--draft", default=None, help="drafter folder or Hub id; default: the drafter committed for the target, if any"
+    )
+    parser.add_argument("--untrained", action="store_true", help="use a fresh, untrained drafter instead")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--block_size", type=int, default=8, help="block size of a fresh drafter")
+    add_cpu_kernel_flag(parser)
+    return parser
+
+
+@dataclass
+class PathComparison:
+    """One prompt decoded by each path: its sequences (`[1, prompt + new]`) and seconds, by path name."""
+
+    prompt_len: int
+    sequences: dict[str, Any]
+    seconds: dict[str, float]
+    stats: Any  # the `SpeculativeStats` of `speculative_generate`
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens plain `generate` added (the count every path's rate is measured by)."""
+        return self.sequences[PLAIN].shape[1] - self.prompt_len
+
+    @property
+    def identical(self) -> bool:
+        """Whether every path returned plain `generate`'s sequence."""
+        plain = self.sequences[PLAIN].tolist()
+        return all(sequence.tolist() == plain for sequence in self.sequences.values())
+
+    def tokens_per_second(self) -> dict[str, float]:
+        """New tokens per second of each path."""
+        return {name: self.new_tokens / seconds for name, seconds in self.seconds.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON the demo prints last: new tokens, agreement, tau and each path's tokens/s."""
+        summary = {"new_tokens": self.new_tokens, "identical": self.identical, "tau": self.stats.tau}
+        return summary | {name: round(rate, 2) for name, rate in self.tokens_per_second().items()}
+
+
+def compare_decoding_paths(
+    target, draft, inputs: Mapping[str, Any], *, max_new_tokens: int, planner: VerifyPlanner | None = None
+) -> PathComparison:
+    """Decode `inputs` (a tokenizer's `input_ids` and `attention_mask`, batch 1) greedily three ways and time each.
+
+    The models run as given: prepare both for the CPU first if wanted (`speculative_generate` is told not to). With
+    a `planner`, both drafted paths verify what pays by its costs (measured here, before any timing, if it has
+    none); without, they verify every proposal."""
+    import torch
+    from transformers import GenerationConfig
+
+    from hf_dflash import speculative_generate
+
+    budget = {"max_new_tokens": max_new_tokens, "do_sample": False}
+    costs = planner.costs_for(target, draft, batch_size=1) if planner is not None else None
+    assisted_config = GenerationConfig(**budget, dflash_planner=planner)
+    paths: dict[str, Callable[[], Any]] = {
+        PLAIN: lambda: target.generate(**inputs, **budget),
+        ASSISTED: lambda: target.generate(**inputs, assistant_model=draft, generation_config=assisted_config),
+        OURS: lambda: speculative_generate(
+            target,
+            draft,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            verify_costs=costs,
+            planner=planner,
+            optimize_cpu=False,
+            **budget,
+        ),
+    }
+    outputs, seconds = {}, {}
+    with torch.no_grad():
+        for name, path in paths.items():
+            outputs[name], seconds[name] = _timed(path, target.device)
+    ours = outputs[OURS]
+    sequences = {PLAIN: outputs[PLAIN], ASSISTED: outputs[ASSISTED], OURS: ours.sequences}
+    return PathComparison(inputs["input_ids"].shape[1], sequences, seconds, ours.stats)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; 0 when the three outputs are identical, 1 when not, 2 when there is no drafter to use."""
+    import torch
+
+    from hf_dflash import VerifyPlanner, loading
+    from hf_dflash.data.chat import encode_messages
+
+    draft_path = args.draft or (None if args.untrained else loading.committed_drafter(args.target))
+    if draft_path is None and not args.untrained:
+        print(
+            f"hf-dflash demo: error: no committed drafter for {args.target} in this install: pass --draft DIR (the "
+            "drafters live in the git repository's drafters/ folder), or --untrained for a fresh drafter",
+            file=sys.stderr,
+        )
+        return 2
+    target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
+    draft = _drafter(draft_path, target, tokenizer, args.block_size)
+    print(f"target {args.target} on {target.device} in {str(target.dtype).removeprefix('torch.')}")
+    prepare_cpu_kernels(args.cpu_kernels, target, draft)
+    input_ids = torch.tensor([encode_messages(tokenizer, [{"role": "user", "content": args.prompt}])])
+    inputs = {"input_ids": input_ids.to(target.device), "attention_mask": torch.ones_like(input_ids, device=target.device)}
+    planner = VerifyPlanner()
+    costs = planner.costs_for(target, draft, batch_size=1)  # measured once, before any timing
+    print(f"target forward over 1..{len(costs.verify)} tokens costs {costs.relative()} x one token")
+    comparison = compare_decoding_paths(target, draft, inputs, max_new_tokens=args.max_new_tokens, planner=planner)
+    _print_comparison(comparison, tokenizer)
+    return 0 if comparison.identical else 1
+
+
+def _drafter(draft_path: str | None, target, tokenizer, block_size: int):
+    """The drafter at `draft_path`, or a fresh, untrained one (seeded) when there is none."""
+    import torch
+
+    from hf_dflash import DFlashForDrafting, loading
+
+    if draft_path:
+        draft = loading.load_draft(draft_path, target)
+        print(f"drafter: {draft_path}")
+        return draft
+    torch.manual_seed(0)
+    draft = DFlashForDrafting.from_target(target, num_hidden_layers=1, block_size=block_size, tokenizer=tokenizer)
+    print("drafter: fresh and UNTRAINED (expect tau near 1 and no speed-up; the output is still the target's own)")
+    return draft
+
+
+def _print_comparison(comparison: PathComparison, tokenizer) -> None:
+    """The text, each path's rate and seconds, tau, the agreement, and the summary as JSON last."""
+    print(tokenizer.decode(comparison.sequences[PLAIN][0, comparison.prompt_len :], skip_special_tokens=True))
+    print()
+    rates = comparison.tokens_per_second()
+    for name, seconds in comparison.seconds.items():
+        print(f"{name:34s} {rates[name]:7.1f} tokens/s   {seconds:6.2f} s")
+    stats = comparison.stats
+    print(
+        f"tau (tokens per target forward): {stats.tau:.2f}, "
+        f"{stats.verified_drafts_per_round:.2f} proposals verified per round"
+    )
+    print(f"identical output on all three paths: {comparison.identical}")
+    print(json.dumps(comparison.summary()))
+
+
+def _timed(run: Callable[[], Any], device) -> tuple[Any, float]:
+    """`run()` and its seconds, read on the device's clock (CUDA and MPS run asynchronously)."""
+    from hf_dflash.decoding.policy import synchronized_clock
+
+    start = synchronized_clock(device)
+    result = run()
+    return result, synchronized_clock(device) - start

@@ -1,0 +1,85 @@
+"""`hf_dflash.cli`: one module per command behind `main`, each command's help, and the flags `train` hands on."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_draft, make_target
+
+from hf_dflash import cli, loading
+from hf_dflash.cli import demo, train
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def test_every_command_is_a_module_with_make_parser_and_run():
+    subparsers = argparse.ArgumentParser().add_subparsers()
+    for name, module in cli.COMMANDS.items():
+        assert callable(module.run) and module.__name__ == f"hf_dflash.cli.{name}"
+        assert module.make_parser(subparsers).prog.endswith(f" {name}")
+    assert sorted(subparsers.choices) == sorted(cli.COMMANDS) == ["bench", "card", "data", "demo", "train"]
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["data"], ["bench"], ["card"], ["train"]])
+def test_every_help_exits_zero(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*command, "--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    if command == ["train"]:  # HfArgumentParser's help: the script's and every TrainingArguments flag
+        assert "--data" in printed and "--learning_rate" in printed and "--block_size" in printed
+    elif command:
+        assert printed.startswith(f"usage: hf-dflash {command[0]} ")
+    else:
+        assert all(name in printed for name in cli.COMMANDS)
+
+
+def test_train_gets_its_flags_as_given_and_other_commands_refuse_unknown_ones(monkeypatch, capsys):
+    received = []
+    monkeypatch.setattr(train, "run", lambda args: received.append(args.unparsed_flags) or 7)
+    flags = ["--data", "d.jsonl", "--seed", "-3", "positional", "--lr_scheduler_kwargs={'a': 1}", "--use_cpu", "true"]
+    assert cli.main(["train", *flags]) == 7
+    assert received == [flags]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["card", "folder", "--learning_rate", "1"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --learning_rate 1" in capsys.readouterr().err
+
+
+def test_committed_drafter_is_found_in_the_checkout_and_not_in_an_install(monkeypatch, tmp_path):
+    assert loading.committed_drafter("smollm2-135m-instruct") == str(REPOSITORY / "drafters" / "smollm2-135m-instruct")
+    assert loading.committed_drafter("no-such-target") is None
+    installed = tmp_path / "lib" / "python3" / "site-packages" / "hf_dflash" / "loading.py"
+    monkeypatch.setattr(loading, "__file__", str(installed))
+    assert loading.committed_drafter("smollm2-135m-instruct") is None
+
+
+def test_demo_without_a_drafter_says_how_to_name_one_before_loading(monkeypatch, capsys):
+    monkeypatch.setattr(loading, "committed_drafter", lambda target: None)
+    monkeypatch.setattr(loading, "load_target_from_arguments", lambda arguments: pytest.fail("loaded a target"))
+    assert cli.main(["demo"]) == 2
+    error = capsys.readouterr().err
+    assert f"no committed drafter for {loading.DEFAULT_TARGET} in this install: pass --draft DIR" in error
+    assert "drafters/ folder" in error
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_compare_decoding_paths_times_three_paths_that_agree(planned):
+    from hf_dflash import VerifyCosts, VerifyPlanner
+
+    target = make_target("llama")
+    draft = make_draft(target, block_size=4, num_hidden_layers=1)
+    prompt = torch.tensor([[1, 5, 9, 14, 3]])
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+    planner = VerifyPlanner(costs=VerifyCosts(verify=(1.0, 1.5, 2.0, 2.5), draft=0.1)) if planned else None
+    comparison = demo.compare_decoding_paths(target, draft, inputs, max_new_tokens=12, planner=planner)
+    assert set(comparison.seconds) == {demo.PLAIN, demo.ASSISTED, demo.OURS}
+    assert comparison.prompt_len == 5 and comparison.new_tokens == 12
+    assert comparison.identical and comparison.stats.tau >= 1
+    summary = comparison.summary()
+    assert summary["identical"] is True and summary["new_tokens"] == 12
+    assert summary[demo.OURS] == round(12 / comparison.seconds[demo.OURS], 2)
+    comparison.sequences[demo.OURS] = comparison.sequences[demo.OURS].clone()
+    comparison.sequences[demo.OURS][0, -1] += 1
+    assert not comparison.identical
