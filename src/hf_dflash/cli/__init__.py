@@ -14,7 +14,6 @@ happen inside `run`. `train`'s flags are `HfArgumentParser`'s, not argparse's: i
 
 from __future__ import annotations
 
-import os
 import sys
 
 from . import bench, card, data, demo, train
@@ -34,7 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     if unparsed and not getattr(args, "takes_unparsed_flags", False):
         parser.error(f"unrecognized arguments: {' '.join(unparsed)}")
     args.unparsed_flags = unparsed
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return COMMANDS[args.command].run(args)
 
 
