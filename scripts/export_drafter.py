@@ -2,7 +2,7 @@
 
 python scripts/export_drafter.py runs/smollm2-b8 drafters/smollm2-135m-instruct --dtype bfloat16 \
     --target smollm2-135m-instruct \
-    [--acceptance-json benchmarks/bench_smollm2.json --acceptance-json benchmarks/bench_smollm2_mtbench.json]
+    [--acceptance-json benchmarks/results/bench_smollm2.json --acceptance-json benchmarks/results/bench_smollm2_mtbench.json]
 
 `--target` (a packaged target name or a local folder) gives the z-lab copy of a reduced-vocabulary drafter its LM
 head (the target head's rows of the draft vocabulary, which vLLM needs) and records the target's embedding scale.

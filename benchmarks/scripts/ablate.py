@@ -10,7 +10,7 @@ target's features or the held-out tau), beside the whole child's CPU time (`getr
 alone), and tokens per target forward with the round planner on target verify costs measured once for all variants
 and each drafter's own measured draft step (the planner's choice, free of timing noise between variants).
 
-    python benchmarks/ablate.py --data runs/ablate/data.jsonl --runs runs/ablate --output benchmarks/ablation/ablation.json \
+    python benchmarks/scripts/ablate.py --data runs/ablate/data.jsonl --runs runs/ablate --output benchmarks/results/ablation/ablation.json \
         --common "--block_size 8 --num_draft_layers 2 --max_steps 150 --learning_rate 5e-3" \
         --variant baseline= --variant init-target="--draft_init target" \
         --variant acceptance-0.5="--acceptance_loss_weight 0.5"
