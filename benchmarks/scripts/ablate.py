@@ -40,7 +40,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from hf_dflash import speculative_generate  # noqa: E402
-from hf_dflash.bench.harness import time_draft_forward  # noqa: E402
+from hf_dflash.bench.draft_step import time_draft_forward  # noqa: E402
 from hf_dflash.data.prompts import load_prompts  # noqa: E402
 from hf_dflash.data.regenerate import encode_prompt, load_training_dataset  # noqa: E402
 from hf_dflash.decoding.policy import VerifyCosts, measure_verify_costs  # noqa: E402

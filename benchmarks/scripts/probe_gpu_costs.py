@@ -34,7 +34,8 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from hf_dflash import DFlashForDrafting  # noqa: E402
-from hf_dflash.bench.harness import cpu_model, time_draft_forward  # noqa: E402
+from hf_dflash.bench.draft_step import time_draft_forward  # noqa: E402
+from hf_dflash.bench.harness import cpu_model  # noqa: E402
 from hf_dflash.decoding.policy import measure_verify_costs  # noqa: E402
 
 
