@@ -251,6 +251,18 @@ def _method_names(
     return [m for m in names if m not in skipped], skipped
 
 
+def _measured_costs(
+    target: PreTrainedModel, draft: PreTrainedModel, stock: CPUPreparation | None
+) -> tuple[VerifyCosts, VerifyCosts | None]:
+    """The target's cost curve, untimed, before the warm-up (the costed methods then plan from that very object), and
+    with a `stock` preparation the same with the stock kernels."""
+    costs = benchmark_verify_costs(target, draft)
+    if stock is None:
+        return costs, None
+    with stock.suspended():
+        return costs, benchmark_verify_costs(target, draft)
+
+
 def _generation_kwargs(config: BenchmarkConfig, target: PreTrainedModel, tokenizer: Any) -> dict[str, Any]:
     """What every method's generation gets: the budget, greedy or sampling, and the pad token."""
     generation_kwargs = {"max_new_tokens": config.max_new_tokens, "do_sample": config.do_sample}
@@ -402,11 +414,7 @@ def run_benchmark(
         raise ValueError("No prompts to benchmark.")
     generation_kwargs = _generation_kwargs(config, target, tokenizer)
 
-    costs = benchmark_verify_costs(target, draft)  # untimed; the costed methods then plan from this object
-    stock_costs = None
-    if STOCK_BASELINE in baselines:
-        with preparation.suspended():
-            stock_costs = benchmark_verify_costs(target, draft)
+    costs, stock_costs = _measured_costs(target, draft, preparation if STOCK_BASELINE in baselines else None)
     failed = _warm_up(target, draft, prompts[0], names, methods, generation_kwargs, config)
     names = [m for m in names if m not in failed]
     baselines = [m for m in baselines if m in names]
@@ -431,7 +439,7 @@ def run_benchmark(
         datasets=_dataset_summaries(runs, per_prompt, prompts, names, baselines),
         per_prompt=per_prompt,
     )
-    stock = preparation if STOCK_BASELINE in baselines else None
+    stock = preparation if STOCK_BASELINE in baselines else None  # batched stock plain too, unless it failed
     _run_sub_benchmarks(report, config, target, draft, prompts, generation_kwargs, stock)
     crashed = isinstance(report.batch, SubBenchmarkError)  # the batched path ran, but its outputs were never compared
     report.identical = not (failed or mismatches or batch_mismatches(report) or crashed)
