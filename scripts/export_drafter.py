@@ -2,7 +2,7 @@
 
 python scripts/export_drafter.py runs/smollm2-b8 drafters/smollm2-135m-instruct --dtype bfloat16 \
     --target smollm2-135m-instruct \
-    [--acceptance-json benchmarks/bench_smollm2.json --acceptance-json benchmarks/bench_smollm2_mtbench.json]
+    [--acceptance-json benchmarks/results/bench_smollm2.json --acceptance-json benchmarks/results/bench_smollm2_mtbench.json]
 
 `--target` (a packaged target name or a local folder) gives the z-lab copy of a reduced-vocabulary drafter its LM
 head (the target head's rows of the draft vocabulary, which vLLM needs) and records the target's embedding scale.
@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from hf_dflash import DFlashForDrafting, DFlashLayouts
 from hf_dflash.atomic_files import created_mode
+from hf_dflash.bench.report import BenchmarkReport
 from hf_dflash.loading import load_target_and_tokenizer
 from hf_dflash.model.modeling_dflash import input_embedding_scale
 from hf_dflash.model_card import (
@@ -103,24 +104,28 @@ def load_export_target(name_or_folder: str, dtype: torch.dtype) -> PreTrainedMod
 
 
 def acceptance_from_report(path: Path) -> dict:
-    """`{dataset: {tau, speedup, conditions}}` from an `hf-dflash bench` JSON report."""
-    report = json.loads(path.read_text())
-    conditions = report["conditions"]
+    """`{dataset: {tau, speedup, conditions}}` from an `hf-dflash bench` JSON report: `ours`'s tau and its median of
+    per-prompt speedups per prompt set."""
+    report = BenchmarkReport.read(path)
+    conditions = report.conditions
     described = (
-        f"hf-dflash bench, greedy, batch 1, {conditions['max_new_tokens']} new tokens, {conditions['cpu']}, "
-        f"{conditions['torch_threads']} threads, {conditions['target_dtype']}"
+        f"hf-dflash bench, greedy, batch 1, {conditions.max_new_tokens} new tokens, {conditions.cpu}, "
+        f"{conditions.torch_threads} threads, {conditions.target_dtype}"
     )
-    if "verify_costs_relative" in conditions:
+    if conditions.verify_costs_relative is not None:
         described += ", speculative_generate(verify_costs='auto')"
     acceptance = {}
-    for dataset, summary in report["datasets"].items():
+    for dataset, summary in report.datasets.items():
         if dataset == "all":  # the card lists each prompt set
             continue
-        ours = summary["methods"].get("ours", {})
+        ours = summary.methods.get("ours")
+        tau = ours.speculative.tau if ours is not None and ours.speculative is not None else None
+        tau = summary.extra.get("tau") if tau is None else tau  # a report from before per-method statistics
+        speedup = ours.speedup_median_of_ratios if ours is not None else None
         acceptance[dataset] = {
-            "tau": round(summary.get("tau", float("nan")), 2),
-            "speedup": round(ours.get("speedup_median_of_ratios", float("nan")), 2),
-            "conditions": f"{summary['methods']['plain']['prompts']} prompts; {described}",
+            "tau": round(float("nan") if tau is None else tau, 2),
+            "speedup": round(float("nan") if speedup is None else speedup, 2),
+            "conditions": f"{summary.methods['plain'].prompts} prompts; {described}",
         }
     return acceptance
 

@@ -6,7 +6,7 @@ the same held-out prompts. `hf-dflash train --acceptance_holdout N` holds out a 
 them last and untouched, and replaces as many of the other records as `--add` holds (chosen at random, `--seed`),
 keeping the order of those that stay:
 
-    python scripts/swap_records.py --data benchmarks/ablation/data.jsonl --add runs/synthetic.jsonl --count 211 \
+    python scripts/swap_records.py --data benchmarks/results/ablation/data.jsonl --add runs/synthetic.jsonl --count 211 \
         --holdout 8 --output runs/ablate/data-synthetic-third.jsonl
 """
 

@@ -23,7 +23,7 @@ from transformers import (
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from hf_dflash import DFlashForDrafting
-from hf_dflash.bench import harness as benchmark
+from hf_dflash.data import tokens
 
 VOCAB = 96
 PAD = VOCAB - 1  # never emitted by the rigged targets below; doubles as the mask token
@@ -76,7 +76,7 @@ def make_draft(target, block_size: int = 8, num_hidden_layers: int = 2, seed: in
 
 def left_pad(prompts: list[torch.Tensor], pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad 1-D prompts into `[b, L]` ids and mask."""
-    return benchmark.left_pad(prompts, pad_id)
+    return tokens.left_pad(prompts, pad_id)
 
 
 class OracleDraft(DFlashForDrafting):

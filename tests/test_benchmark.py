@@ -1,29 +1,25 @@
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_draft, make_target
+from helpers import load_module, make_draft, make_target
 
+from hf_dflash import bench
 from hf_dflash.bench import harness as benchmark
-from hf_dflash.bench.harness import (
-    ALL_METHODS,
-    STOCK_BASELINE,
-    BenchmarkConfig,
-    BenchmarkPrompt,
+from hf_dflash.bench import methods as bench_methods
+from hf_dflash.bench.config import ALL_METHODS, SAMPLING_ONLY, STOCK_BASELINE, BenchmarkConfig, BenchmarkPrompt
+from hf_dflash.bench.harness import load_benchmark_prompts, measure_batch_throughput, run_benchmark
+from hf_dflash.bench.methods import default_methods, plain_thread_methods, plain_threads_name
+from hf_dflash.bench.plot import save_plot
+from hf_dflash.bench.report import BenchmarkReport, PromptRun, render_table
+from hf_dflash.bench.statistics import (
     count_new_tokens,
-    default_methods,
     first_difference,
-    load_benchmark_prompts,
-    measure_batch_throughput,
     median,
     median_of_ratios,
-    plain_thread_methods,
-    plain_threads_name,
     ratio_of_medians,
-    render_table,
-    run_benchmark,
-    save_plot,
     summarize,
 )
 from hf_dflash.decoding.policy import VerifyPlanner
@@ -97,14 +93,14 @@ def test_summarize_pairs_each_method_with_plain_on_the_same_prompts():
         "b": {"plain": _entry(10, 2.0, 10), "ours": _entry(10, 0.5, 4)},
         "c": {"plain": _entry(10, 0.5, 10), "ours": _entry(10, 0.5, 6)},
     }
-    summary = summarize(per_prompt, ["a", "b", "c"], ["plain", "ours", "native"])["methods"]
-    assert summary["plain"]["tokens_per_s"] == 10.0  # rates 10, 5, 20
-    assert summary["ours"]["tokens_per_s"] == 20.0  # rates 20, 20, 20
-    assert summary["ours"]["speedup_ratio_of_medians"] == 2.0
-    assert summary["ours"]["speedup_median_of_ratios"] == 2.0  # ratios 2, 4, 1
-    assert summary["ours"]["tokens_per_target_forward"] == 2.0  # 30 tokens, 15 forwards
-    assert summary["native"]["prompts"] == 1
-    assert summary["native"]["speedup_ratio_of_medians"] == 4.0  # against plain on prompt "a" only
+    summary = summarize(per_prompt, ["a", "b", "c"], ["plain", "ours", "native"]).methods
+    assert summary["plain"].tokens_per_s == 10.0  # rates 10, 5, 20
+    assert summary["ours"].tokens_per_s == 20.0  # rates 20, 20, 20
+    assert summary["ours"].speedup_ratio_of_medians == 2.0
+    assert summary["ours"].speedup_median_of_ratios == 2.0  # ratios 2, 4, 1
+    assert summary["ours"].tokens_per_target_forward == 2.0  # 30 tokens, 15 forwards
+    assert summary["native"].prompts == 1
+    assert summary["native"].speedup_ratio_of_medians == 4.0  # against plain on prompt "a" only
 
 
 def test_summarize_takes_the_faster_plain_variant_as_baseline():
@@ -113,70 +109,119 @@ def test_summarize_takes_the_faster_plain_variant_as_baseline():
         "b": {"plain": _entry(10, 2.0, 10), "plain_threads1": _entry(10, 1.0, 10), "ours": _entry(10, 0.5, 4)},
     }
     summary = summarize(per_prompt, ["a", "b"], ["plain", "plain_threads1", "ours"], ["plain", "plain_threads1"])
-    assert summary["baseline"] == "plain_threads1"
-    assert summary["plain_tokens_per_s"] == {"plain": 7.5, "plain_threads1": 15.0}  # rates 10, 5 and 20, 10
-    assert summary["methods"]["plain_threads1"]["speedup_ratio_of_medians"] == 1.0
-    assert summary["methods"]["plain"]["speedup_ratio_of_medians"] == 0.5
-    assert summary["methods"]["ours"]["speedup_ratio_of_medians"] == 2.0  # 30 vs 15, not 30 vs 7.5
-    assert summary["methods"]["ours"]["speedup_median_of_ratios"] == 2.0
+    assert summary.baseline == "plain_threads1"
+    assert summary.plain_tokens_per_s == {"plain": 7.5, "plain_threads1": 15.0}  # rates 10, 5 and 20, 10
+    assert summary.methods["plain_threads1"].speedup_ratio_of_medians == 1.0
+    assert summary.methods["plain"].speedup_ratio_of_medians == 0.5
+    assert summary.methods["ours"].speedup_ratio_of_medians == 2.0  # 30 vs 15, not 30 vs 7.5
+    assert summary.methods["ours"].speedup_median_of_ratios == 2.0
 
 
 def _entry(new_tokens, seconds, forwards):
-    return {
-        "new_tokens": new_tokens,
-        "target_forwards": forwards,
-        "tokens_per_s": new_tokens / seconds,
-        "tokens_per_target_forward": new_tokens / forwards,
-    }
+    return PromptRun(
+        new_tokens=new_tokens,
+        target_forwards=forwards,
+        seconds=[seconds],
+        tokens_per_s=new_tokens / seconds,
+        tokens_per_target_forward=new_tokens / forwards,
+    )
+
+
+# -- the committed reports ---------------------------------------------------------------------------------------------
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+COMMITTED_REPORTS = sorted(RESULTS.glob("**/bench_*.json"))
+# written before `plain_threads` and the per-method statistics existed: they load, and only their config gains keys
+OLDER_REPORTS = {
+    "bench_smollm2_fresh_clone_rerun.json",
+    "bench_smollm2_more_shaped_data.json",
+    "bench_smollm2_shaped_first.json",
+    "bench_smollm2_shaped_first_mtbench.json",
+}
+
+
+def test_every_committed_report_is_found():
+    assert len(COMMITTED_REPORTS) >= 13 and OLDER_REPORTS <= {path.name for path in COMMITTED_REPORTS}
+
+
+@pytest.mark.parametrize("path", COMMITTED_REPORTS, ids=lambda path: path.name)
+def test_committed_reports_load_and_write_back_the_same_json(path):
+    written = json.loads(path.read_text())
+    report = BenchmarkReport.read(path)
+    assert report.datasets and report.per_prompt and report.conditions.max_new_tokens > 0
+    again = report.to_json()
+    if path.name in OLDER_REPORTS:  # an older schema: every part but the config (now a `BenchmarkConfig`) round-trips
+        assert {key: value for key, value in again.items() if key != "config"} == {
+            key: value for key, value in written.items() if key != "config"
+        }
+        assert again["config"].items() >= written["config"].items()
+        assert all("draft_ms_per_round" in s.extra for s in report.datasets.values())  # its own keys are kept
+    else:
+        assert again == written and list(again) == list(written)  # same keys, same order
+    table = render_table(report)
+    assert report.conditions.cpu in table and all(dataset in table for dataset in report.datasets)
+
+
+def test_export_drafter_reads_ours_statistics_from_a_committed_report():
+    export_drafter = load_module(Path(__file__).resolve().parent.parent / "scripts" / "export_drafter.py")
+    report = BenchmarkReport.read(RESULTS / "bench_smollm2.json")
+    acceptance = export_drafter.acceptance_from_report(RESULTS / "bench_smollm2.json")
+    assert set(acceptance) == {"gsm8k", "humaneval"}
+    ours = report.datasets["gsm8k"].methods["ours"]
+    assert acceptance["gsm8k"]["tau"] == round(ours.speculative.tau, 2)
+    assert acceptance["gsm8k"]["speedup"] == round(ours.speedup_median_of_ratios, 2)
+    older = export_drafter.acceptance_from_report(RESULTS / "bench_smollm2_shaped_first.json")
+    assert older["gsm8k"]["tau"] == round(
+        json.loads((RESULTS / "bench_smollm2_shaped_first.json").read_text())["datasets"]["gsm8k"]["tau"], 2
+    )  # from before per-method statistics: the dataset's own tau
 
 
 # -- the benchmark on a tiny target ------------------------------------------------------------------------------------
 
 
 def test_report_covers_every_method_and_outputs_are_identical(report):
-    assert report["methods"] == ["plain", PLAIN_OTHER, *GREEDY_METHODS[1:]]
-    assert report["baselines"] == ["plain", PLAIN_OTHER]
-    assert report["skipped_methods"] == {"ours_argmax": benchmark.SAMPLING_ONLY["ours_argmax"]}  # greedy: it is `ours`
-    assert report["failed_methods"] == {}
-    assert report["identical"] and report["mismatches"] == []  # every plain variant and every drafted path
-    assert {m for p in report["per_prompt"].values() for m in p} == set(report["methods"])
-    assert set(report["datasets"]) == {"toy", "other", "all"}
-    for summary in report["datasets"].values():
-        methods = summary["methods"]
-        assert set(methods) == set(report["methods"])
-        assert summary["baseline"] in report["baselines"] and set(summary["plain_tokens_per_s"]) == {
-            "plain",
-            PLAIN_OTHER,
-        }
-        assert methods[summary["baseline"]]["speedup_ratio_of_medians"] == 1.0
-        assert methods["plain"]["tokens_per_target_forward"] == 1.0
+    assert report.methods == ["plain", PLAIN_OTHER, *GREEDY_METHODS[1:]]
+    assert report.baselines == ["plain", PLAIN_OTHER]
+    assert report.skipped_methods == {"ours_argmax": SAMPLING_ONLY["ours_argmax"]}  # greedy: it is `ours`
+    assert report.failed_methods == {}
+    assert report.identical and report.mismatches == []  # every plain variant and every drafted path
+    assert {m for p in report.per_prompt.values() for m in p} == set(report.methods)
+    assert set(report.datasets) == {"toy", "other", "all"}
+    for summary in report.datasets.values():
+        methods = summary.methods
+        assert set(methods) == set(report.methods)
+        assert summary.baseline in report.baselines and set(summary.plain_tokens_per_s) == {"plain", PLAIN_OTHER}
+        assert methods[summary.baseline].speedup_ratio_of_medians == 1.0
+        assert methods["plain"].tokens_per_target_forward == 1.0
         for method in SPECULATIVE_METHODS:
-            row = methods[method]
-            for key in ("tau", "verified_drafts_per_round", "tree_rounds", "plain_steps", "rounds"):
-                assert key in row, (method, key)
+            stats = methods[method].speculative
             # the fallback's judgement carries across prompts: a costed method may not draft on a whole set
-            assert (row["tau"] >= 1.0 or row["rounds"] == 0) and len(row["tau_histogram"]) == 4 + 1
-        assert "tau" not in methods["plain"] and "tau" not in methods["assisted"]  # no SpeculativeStats there
-        assert summary["tau"] == methods["ours"]["tau"]  # kept at the top for scripts/export_drafter.py
-        assert methods["ours_chain"]["tree_rounds"] == methods["ours_full_block"]["tree_rounds"] == 0
-        assert methods["ours_tree16"]["tree_rounds"] > 0
-        assert methods["ours_tree16"]["verified_drafts_per_round"] > 4  # 16 nodes where the budget leaves 3 slots
-        assert methods["ours_full_block"]["verified_drafts_per_round"] > 2  # B - 1 = 3 but where the budget cuts
-    json.dumps(report)  # JSON-ready
+            assert (stats.tau >= 1.0 or stats.rounds == 0) and len(stats.tau_histogram) == 4 + 1
+        assert methods["plain"].speculative is None and methods["assisted"].speculative is None  # no stats there
+        assert methods["ours_chain"].speculative.tree_rounds == methods["ours_full_block"].speculative.tree_rounds == 0
+        assert methods["ours_tree16"].speculative.tree_rounds > 0
+        assert methods["ours_tree16"].speculative.verified_drafts_per_round > 4  # 16 nodes where the budget leaves 3
+        assert methods["ours_full_block"].speculative.verified_drafts_per_round > 2  # B - 1 = 3 where the budget cuts
+    as_json = json.loads(json.dumps(report.to_json()))  # JSON-ready
+    ours = as_json["datasets"]["toy"]["methods"]["ours"]  # the statistics sit beside the rates, as they always did
+    for key in ("tau", "tau_histogram", "verified_drafts_per_round", "tree_rounds", "plain_steps", "rounds"):
+        assert key in ours, key
+    assert "tau" not in as_json["datasets"]["toy"]  # no copy of `ours`'s statistics at the dataset's top any more
+    assert BenchmarkReport.from_json(as_json).to_json() == as_json
 
 
 def test_full_comparison_limit_is_per_dataset(report):
-    methods = {p["id"]: p["methods"] for p in report["prompts"]}
-    assert set(methods["toy/0"]) == set(methods["toy/1"]) == set(methods["other/0"]) == set(report["methods"])
+    methods = {p.id: p.methods for p in report.prompts}
+    assert set(methods["toy/0"]) == set(methods["toy/1"]) == set(methods["other/0"]) == set(report.methods)
     assert set(methods["toy/2"]) == {"plain", PLAIN_OTHER, "assisted", "ours"}  # every plain variant runs everywhere
-    assert [p["full_comparison"] for p in report["prompts"]] == [True, True, False, True]
-    assert report["datasets"]["toy"]["methods"]["native"]["prompts"] == 2
-    assert report["datasets"]["toy"]["methods"]["ours"]["prompts"] == 3
-    assert len(report["per_prompt"]["toy/0"]["ours"]["seconds"]) == 2  # repeats
+    assert [p.full_comparison for p in report.prompts] == [True, True, False, True]
+    assert report.datasets["toy"].methods["native"].prompts == 2
+    assert report.datasets["toy"].methods["ours"].prompts == 3
+    assert len(report.per_prompt["toy/0"]["ours"].seconds) == 2  # repeats
 
 
 def test_conditions_are_recorded(report):
-    conditions = report["conditions"]
+    conditions = report.conditions.to_json()
     for key in ("OMP_WAIT_POLICY", "torch_threads", "torch", "transformers", "cpu", "target_dtype", "block_size"):
         assert key in conditions
     assert conditions["block_size"] == 4 and conditions["max_new_tokens"] == 12
@@ -184,22 +229,23 @@ def test_conditions_are_recorded(report):
     assert len(relative) == len(seconds) == 32 and relative[0] == 1.0 and all(s > 0 for s in seconds)
     assert conditions["verify_costs_relative"] == relative  # `ours` planned from that very curve
     assert conditions["draft_forward_s"] > 0 and conditions["draft_cost_relative"] > 0
+    assert "stock_target_forward_s" not in conditions  # not prepared: no stock curve, and no key for it
 
 
 def test_every_costed_method_plans_from_one_measured_costs_object(target, draft, monkeypatch):
     seen = []
-    real = benchmark.speculative_generate
+    real = bench_methods.speculative_generate
 
     def spy(target, draft, input_ids, attention_mask=None, **kwargs):
         seen.append((kwargs.get("tree"), kwargs["verify_costs"]))
         return real(target, draft, input_ids, attention_mask, **kwargs)
 
-    monkeypatch.setattr(benchmark, "speculative_generate", spy)
+    monkeypatch.setattr(bench_methods, "speculative_generate", spy)
     config = tiny_config(methods=("ours", "ours_chain", "ours_tree16", "ours_full_block"), max_new_tokens=6)
     planner = VerifyPlanner()
     report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1], planner=planner)
-    assert report["identical"]
-    costs = benchmark.benchmark_verify_costs(target, draft, planner)
+    assert report.identical
+    costs = bench_methods.benchmark_verify_costs(target, draft, planner)
     assert costs.max_nodes >= 16  # trees of 16 nodes + the bonus fit
     by_tree = {tree: {id(c) if c is not None else None for t, c in seen if t == tree} for tree, _ in seen}
     assert by_tree == {None: {id(costs)}, False: {id(costs), None}, 16: {None}}  # ours / ours_chain, full block / tree
@@ -228,24 +274,24 @@ def test_speedups_are_against_the_faster_plain(target, draft, slow):
     config = tiny_config(methods=("ours",), plain_threads=(OTHER_THREADS,), verify_costs=None)
     report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:2], methods=methods | {slow: slowed})
     faster = PLAIN_OTHER if slow == "plain" else "plain"
-    assert report["identical"]  # the slowed variant's outputs are still checked
-    for summary in report["datasets"].values():
-        rates = summary["plain_tokens_per_s"]
-        assert summary["baseline"] == faster and rates[faster] > rates[slow]
-        assert summary["methods"][faster]["speedup_ratio_of_medians"] == 1.0
-        assert summary["methods"][slow]["speedup_ratio_of_medians"] < 1.0
+    assert report.identical  # the slowed variant's outputs are still checked
+    for summary in report.datasets.values():
+        rates = summary.plain_tokens_per_s
+        assert summary.baseline == faster and rates[faster] > rates[slow]
+        assert summary.methods[faster].speedup_ratio_of_medians == 1.0
+        assert summary.methods[slow].speedup_ratio_of_medians < 1.0
     assert f"speedups vs {faster}, the faster plain" in render_table(report)
 
 
 def test_sampling_measures_both_proposal_kinds(target, draft):
     config = tiny_config(do_sample=True, methods=("ours", "ours_argmax", "ours_chain", "ours_tree16"))
     report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:2])
-    assert report["methods"] == ["plain", "ours", "ours_argmax"]
-    assert set(report["skipped_methods"]) == {"ours_chain", "ours_tree16"}  # chains already; trees are greedy only
-    assert not report["identity_checked"] and report["failures"] == []
+    assert report.methods == ["plain", "ours", "ours_argmax"]
+    assert set(report.skipped_methods) == {"ours_chain", "ours_tree16"}  # chains already; trees are greedy only
+    assert not report.identity_checked and report.failures == []
     for method in ("ours", "ours_argmax"):
-        row = report["datasets"]["toy"]["methods"][method]
-        assert row["tau"] >= 1.0 and row["tree_rounds"] == 0
+        stats = report.datasets["toy"].methods[method].speculative
+        assert stats.tau >= 1.0 and stats.tree_rounds == 0
     assert "ours_argmax: tau" in render_table(report)
 
 
@@ -254,8 +300,8 @@ def test_trees_are_left_out_where_the_target_cannot_verify_one():
     draft = make_draft(target, block_size=4, num_hidden_layers=1)
     config = tiny_config(methods=("ours", "ours_tree16"), max_new_tokens=4)
     report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1])
-    assert report["methods"] == ["plain", "ours"] and "sliding-window" in report["skipped_methods"]["ours_tree16"]
-    assert report["identical"] and report["failures"] == []
+    assert report.methods == ["plain", "ours"] and "sliding-window" in report.skipped_methods["ours_tree16"]
+    assert report.identical and report.failures == []
     assert "ours_tree16 left out" in render_table(report)
 
 
@@ -268,25 +314,22 @@ def test_datasets_take_their_own_limit(monkeypatch):
         asked[name] = limit
         return [prompts.Prompt(f"{name}/{i}", name, [{"role": "user", "content": "hi"}]) for i in range(limit)]
 
-    class Tokenizer:
-        def __call__(self, text, return_tensors=None):
-            return type("Encoding", (), {"input_ids": torch.tensor([[1, 2]])})()
-
     monkeypatch.setattr(prompts, "load_prompts", load_prompts)
-    monkeypatch.setattr(chat, "apply_chat_template", lambda tokenizer, prompt: "text")
-    loaded = load_benchmark_prompts(Tokenizer(), ["gsm8k", "mt-bench:2"], limit=3)
+    monkeypatch.setattr(chat, "encode_prompt", lambda tokenizer, prompt: [1, 2])
+    loaded = load_benchmark_prompts(None, ["gsm8k", "mt-bench:2"], limit=3)
     assert asked == {"gsm8k": 3, "mt-bench": 2}
     assert [p.id for p in loaded] == ["gsm8k/0", "gsm8k/1", "gsm8k/2", "mt-bench/0", "mt-bench/1"]
     assert {p.dataset for p in loaded} == {"gsm8k", "mt-bench"}
+    assert all(p.input_ids.tolist() == [1, 2] for p in loaded)
 
 
 def test_sub_benchmarks(report):
-    assert [r["block_size"] for r in report["draft_forward"]] == [2, 4]
-    assert all(r["median_ms"] > 0 for r in report["draft_forward"])
-    batch = report["batch"]
-    assert [r["batch_size"] for r in batch] == [1, 3]
-    assert all(r["identical"] and r["plain_new_tokens"] == r["ours_new_tokens"] for r in batch)
-    assert all(r["tau"] >= 1.0 and "tree_rounds" in r and "plain_steps" in r for r in batch)  # the planner ran
+    assert [r.block_size for r in report.draft_forward] == [2, 4]
+    assert all(r.median_ms > 0 for r in report.draft_forward)
+    batch = report.batch
+    assert [r.batch_size for r in batch] == [1, 3]
+    assert all(r.identical and r.plain_new_tokens == r.ours_new_tokens for r in batch)
+    assert all(r.tau >= 1.0 and r.tree_rounds is not None and r.plain_steps is not None for r in batch)  # planned
 
 
 def test_a_wrong_token_is_detected(target, draft):
@@ -300,10 +343,10 @@ def test_a_wrong_token_is_detected(target, draft):
 
     config = tiny_config(methods=("plain", "ours", "broken"))
     report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:2], methods=methods | {"broken": broken})
-    assert not report["identical"]
-    assert {m["method"] for m in report["mismatches"]} == {"broken"}
-    assert {m["prompt_id"] for m in report["mismatches"]} == {"toy/0", "toy/1"}
-    assert all(m["first_difference"] == 12 - 3 for m in report["mismatches"])
+    assert not report.identical
+    assert {m.method for m in report.mismatches} == {"broken"}
+    assert {m.prompt_id for m in report.mismatches} == {"toy/0", "toy/1"}
+    assert all(m.first_difference == 12 - 3 for m in report.mismatches)
     assert "OUTPUT MISMATCHES" in render_table(report)
 
 
@@ -315,13 +358,13 @@ def test_a_method_that_raises_is_reported(target, draft):
     report = run_benchmark(
         config, target, None, draft, prompts=PROMPTS[:1], methods=default_methods() | {"raises": raises}
     )
-    assert report["methods"] == ["plain", "ours"] and "boom" in report["failed_methods"]["raises"]
-    assert not report["identical"]
+    assert report.methods == ["plain", "ours"] and "boom" in report.failed_methods["raises"]
+    assert not report.identical
 
 
 def test_table_and_plot(report, tmp_path):
     table = render_table(report)
-    for method in report["methods"]:
+    for method in report.methods:
         assert method in table
     assert "identical outputs" in table and "every method ran on: toy/0, toy/1, other/0" in table
     assert "target forward over n tokens" in table and "ours_tree16: tau" in table and "speedups vs" in table
@@ -342,11 +385,9 @@ def _fresh_models(monkeypatch) -> None:
 def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_path):
     from hf_dflash import cli
 
-    real_run = benchmark.run_benchmark
+    real_run = bench.run_benchmark
     _fresh_models(monkeypatch)
-    monkeypatch.setattr(
-        benchmark, "run_benchmark", lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:1], **kwargs)
-    )
+    monkeypatch.setattr(bench, "run_benchmark", lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:1], **kwargs))
     output = tmp_path / "bench.json"
     argv = ["bench", "--draft", "unused", "--max-new-tokens", "6", "--methods", "ours", "--output", str(output)]
     argv += ["--draft-block-sizes", "--batch-sizes", "--plain-threads", str(OTHER_THREADS)]
@@ -357,13 +398,14 @@ def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_pat
     assert json.loads(last)["config"]["plain_threads"] == [OTHER_THREADS]
     assert json.loads(last)["methods"] == ["plain", PLAIN_OTHER, STOCK_BASELINE, "ours"]  # prepared: stock plain too
     assert output.with_suffix(".png").is_file()
+    written = json.loads(output.read_text())
+    assert written["conditions"]["command"].startswith("hf-dflash") and written["conditions"]["draft_path"] == "unused"
+    assert BenchmarkReport.read(output).to_json() == written  # the CLI's own keys survive a read
 
     broken = dict(default_methods())
     broken["ours"] = lambda *args, **kwargs: (torch.zeros(1, 20, dtype=torch.long), None)
     monkeypatch.setattr(
-        benchmark,
-        "run_benchmark",
-        lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:1], methods=broken, **kwargs),
+        bench, "run_benchmark", lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:1], methods=broken, **kwargs)
     )
     assert cli.main(argv) == 1
     assert "OUTPUT MISMATCHES" in capsys.readouterr().out
@@ -374,11 +416,9 @@ def bench_cli(monkeypatch, tmp_path):
     """`hf-dflash bench ...options` on a tiny target and two prompts -> (exit code, the report it wrote)."""
     from hf_dflash import cli
 
-    real_run = benchmark.run_benchmark
+    real_run = bench.run_benchmark
     _fresh_models(monkeypatch)
-    monkeypatch.setattr(
-        benchmark, "run_benchmark", lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:2], **kwargs)
-    )
+    monkeypatch.setattr(bench, "run_benchmark", lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:2], **kwargs))
     output = tmp_path / "bench.json"
 
     def run(*options: str) -> tuple[int, dict]:
@@ -438,7 +478,7 @@ def test_batches_are_padded_as_the_library_pads(draft):
     prompts = PROMPTS[:2]  # 8 and 5 tokens: the second row gets 3 pads
     results = measure_batch_throughput(target, draft, prompts, [2], {"max_new_tokens": 3}, progress=False)
     assert inputs[0][1, :3].tolist() == [3, 3, 3] and inputs[0][1, 3:].tolist() == PROMPTS[1].input_ids.tolist()
-    assert results[0]["identical"]
+    assert results[0].identical
 
 
 def test_batch_throughput_needs_one_repeat(target, draft):
@@ -449,7 +489,7 @@ def test_batch_throughput_needs_one_repeat(target, draft):
 def test_native_and_assisted_take_their_own_paths(generator_spy, target, draft):
     config = tiny_config(methods=("native", "assisted", "prompt_lookup"))
     report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1])
-    assert report["identical"]
+    assert report.identical
     assert set(generator_spy) == {
         "DFlashTokenCandidateGenerator",
         "DFlashCandidateGenerator",

@@ -417,12 +417,12 @@ def test_load_training_dataset_reads_valid_records(tmp_path):
 
 
 def test_the_committed_ablation_data_was_regenerated_from_filtered_prompts_only():
-    """benchmarks/ablation/data.jsonl (committed so that a session need not regenerate it) holds answers to prompts
+    """benchmarks/results/ablation/data.jsonl (committed so that a session need not regenerate it) holds answers to prompts
     the evaluation filter keeps today: a record of a prompt that equals or contains a benchmark item, or of an
     evaluation set itself, has an id `training_prompts` does not give."""
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ablation" / "data.jsonl"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "ablation" / "data.jsonl"
     records = load_training_dataset(path)
     kept = {prompt.id for prompt in training_prompts(["sharegpt", "math500"], 330)}
     assert set(records["source"]) == {"sharegpt", "math500"}

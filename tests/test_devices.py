@@ -5,7 +5,7 @@ on the device. Tiny fp32 models with eager attention, moved with `.to(device)`; 
 several tokens and roll back the rest. On a CPU-only machine this is a quick run of the device-agnostic code paths;
 on a GPU it is where host/device mix-ups (a tensor left on the CPU, a CPU generator or timer) surface.
 
-The GPU cost probe (`benchmarks/probe_gpu_costs.py`) gets a CPU smoke run at tiny shapes here.
+The GPU cost probe (`benchmarks/scripts/probe_gpu_costs.py`) gets a CPU smoke run at tiny shapes here.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def test_a_few_training_steps_keep_the_drafter_on_the_device_and_change_it(devic
 
 
 def test_the_gpu_cost_probe_runs_at_tiny_shapes_on_a_cpu(tmp_path, capsys):
-    probe = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "probe_gpu_costs.py")
+    probe = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "probe_gpu_costs.py")
     output = tmp_path / "costs.json"
     tiny = "--device cpu --dtype float32 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 128"
     report = probe.main([*tiny.split(), *"--context 16 --repeats 1 --draft-repeats 1 --output".split(), str(output)])

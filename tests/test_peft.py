@@ -270,7 +270,7 @@ def _peft_acceptance_script():
 
     from helpers import load_module
 
-    return load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "peft_acceptance.py")
+    return load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "peft_acceptance.py")
 
 
 def test_share_of_loss_recovered_is_the_tau_ratio_with_a_paired_bootstrap_interval():

@@ -20,7 +20,7 @@ from hf_dflash.data.sources import prompts_from_jsonl
 from hf_dflash.targets import converted_target_folder
 
 pytestmark = pytest.mark.slow
-ABLATE = Path(__file__).parents[1] / "benchmarks" / "ablate.py"
+ABLATE = Path(__file__).parents[1] / "benchmarks" / "scripts" / "ablate.py"
 
 
 def hf_dflash(*argv: str, cwd) -> subprocess.CompletedProcess:

@@ -53,7 +53,7 @@ def test_real_target_greedy_is_token_identical(smollm2, real_prompts):
 def test_committed_drafter_is_lossless_and_accepts_more_than_one_token(smollm2, real_prompts):
     """The drafter committed under drafters/ (what `hf-dflash demo` uses): identical output on every path, with and
     without verify costs, and tau above an untrained drafter's 1.0 (whole block: 1.77 on the first 3 GSM8K prompts at
-    200 tokens in benchmarks/bench_smollm2.json).
+    200 tokens in benchmarks/results/bench_smollm2.json).
 
     What the measured costs ("auto") plan depends on the machine (where a 16-token forward is cheap, trees verify more
     than the whole block), so the planner's effect is checked under fixed costs: a machine where each verified token
@@ -116,7 +116,7 @@ def test_committed_drafter_exports_the_real_target_heads_draft_rows(smollm2, tmp
 
 
 def test_committed_target_adapter_shifts_smollm2_and_the_drafter_adapter_decodes_it_losslessly(smollm2):
-    """The fine-tune of README "Fine-tuned targets" (benchmarks/peft/telegraph-stop-target-lora) really changes what
+    """The fine-tune of README "Fine-tuned targets" (benchmarks/results/peft/telegraph-stop-target-lora) really changes what
     SmolLM2 says (its telegram " stop"), and the committed drafter adapter decodes the fine-tuned target token for
     token, unmerged as a ``PeftModel`` and merged."""
     from hf_dflash.loading import load_draft, load_target_and_tokenizer
@@ -125,7 +125,7 @@ def test_committed_target_adapter_shifts_smollm2_and_the_drafter_adapter_decodes
     tuned, _ = load_target_and_tokenizer(
         "smollm2-135m-instruct",
         device="cpu",
-        target_adapter=ROOT / "benchmarks/peft/telegraph-stop-target-lora",
+        target_adapter=ROOT / "benchmarks/results/peft/telegraph-stop-target-lora",
         merge_target_adapter=True,
     )
     inputs = tokenizer(apply_chat_template(tokenizer, load_prompts("gsm8k", limit=1)[0]), return_tensors="pt")

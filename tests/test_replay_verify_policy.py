@@ -1,4 +1,4 @@
-"""`benchmarks/replay_verify_policy.py`: the rounds it records are the loop's own, and its replay arithmetic is right."""
+"""`benchmarks/scripts/replay_verify_policy.py`: the rounds it records are the loop's own, and its replay arithmetic is right."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ from test_generation import random_prompt
 
 from hf_dflash.decoding.policy import VerifyCosts
 
-replay_verify_policy = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "replay_verify_policy.py")
+replay_verify_policy = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "replay_verify_policy.py")
 
 
 def _record(p_wrong: float, max_new_tokens: int = 40):

@@ -184,7 +184,7 @@ def test_swapped_records_keep_the_count_the_order_and_the_held_out_records_last(
 
 
 def test_compare_drafters_gives_each_sets_gain_a_paired_interval_and_a_verdict_that_can_fail():
-    compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "compare_drafters.py")
+    compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "compare_drafters.py")
     runs = lambda committed, rounds: {"committed": committed, "rounds": rounds}  # noqa: E731
     current = {"gsm8k": runs([4, 4], [2, 2]), "humaneval": runs([30, 30], [20, 20])}
     # GSM8K: tau 2.0 -> 2.5 on both prompts. HumanEval: prompt 0 gains 0.5, prompt 1 loses 0.5: 1.5 either way.
@@ -202,7 +202,7 @@ def test_compare_drafters_gives_each_sets_gain_a_paired_interval_and_a_verdict_t
 
 
 def test_compare_drafters_reuses_the_current_drafter_only_under_the_same_conditions(tmp_path):
-    compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "compare_drafters.py")
+    compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "compare_drafters.py")
     conditions = {"target": "t", "prompts": {"gsm8k": 2}, "max_new_tokens": 8, "verify": "v"}
     acceptance = {"gsm8k": {"tau": 2.0, "committed": [4, 4], "rounds": [2, 2]}}
     report = tmp_path / "report.json"

@@ -115,23 +115,24 @@ def benchmark_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, write its report and plot; 0 when every output matched and no run failed, else 1."""
-    from hf_dflash import loading
+    from hf_dflash import bench, loading
     from hf_dflash.atomic_files import write_text_atomic
-    from hf_dflash.bench import harness
 
     target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
     draft = loading.load_draft(args.draft, target, revision=args.draft_revision, base_draft=args.base_draft)
     preparation = prepare_cpu_kernels(args.cpu_kernels, target, draft)
-    report = harness.run_benchmark(benchmark_config(args), target, tokenizer, draft, preparation=preparation)
-    report["conditions"]["target"] = args.target
-    report["conditions"]["target_adapter"] = args.target_adapter
-    report["conditions"]["command"] = "hf-dflash " + " ".join(sys.argv[1:])
-    report["conditions"]["draft_path"] = args.draft
-    output = write_text_atomic(args.output, json.dumps(report, indent=1) + "\n")
-    plot = harness.save_plot(report, args.plot or output.with_suffix(".png"))
-    print(harness.render_table(report))
+    report = bench.run_benchmark(benchmark_config(args), target, tokenizer, draft, preparation=preparation)
+    report.conditions.target = args.target
+    report.conditions.extra |= {
+        "target_adapter": args.target_adapter,
+        "command": "hf-dflash " + " ".join(sys.argv[1:]),
+        "draft_path": args.draft,
+    }
+    output = write_text_atomic(args.output, json.dumps(report.to_json(), indent=1) + "\n")
+    plot = bench.save_plot(report, args.plot or output.with_suffix(".png"))
+    print(bench.render_table(report))
     print(f"report: {output}  plot: {plot}")
-    for failure in report["failures"]:
+    for failure in report.failures:
         print(f"hf-dflash bench: FAILED: {failure}", file=sys.stderr)
-    print(json.dumps(report))
-    return 0 if report["identical"] and not report["failures"] else 1
+    print(json.dumps(report.to_json()))
+    return 0 if report.identical and not report.failures else 1

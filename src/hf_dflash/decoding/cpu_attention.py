@@ -22,7 +22,7 @@ Here, for each query row:
 4. the softmax max is exact in any order; the chunks' sums are added in chunk order, one at a time, so chunks
    beyond a row's keys (fully masked: exact zeros) change nothing.
 
-It gathers each query row's keys and values, which costs more than sdpa (`benchmarks/probe_forward_rows.py`).
+It gathers each query row's keys and values, which costs more than sdpa (`benchmarks/scripts/probe_forward_rows.py`).
 """
 
 from __future__ import annotations

@@ -310,7 +310,7 @@ def optimize_for_cpu(model: nn.Module, exact: bool = False, choices: KernelChoic
         model: any `PreTrainedModel` (PEFT-wrapped ones too). A model on an accelerator is returned unprepared.
         exact: also make a forward over `k` tokens give logits bitwise equal to `k` one-token forwards (see the module
             docstring); greedy speculative decoding is then token-identical to plain decoding with the same
-            preparation in any dtype. Costs more per verify forward (`benchmarks/probe_forward_rows.py`).
+            preparation in any dtype. Costs more per verify forward (`benchmarks/scripts/probe_forward_rows.py`).
         choices: measured kernel choices to reuse (`CPUPreparation.choices` of a model prepared before).
 
     Returns:

@@ -1,6 +1,6 @@
 """Plain decoding and target forward costs at 1 and 2 torch threads (alternated), first 3 GSM8K prompts, 64 tokens.
 
-OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_threads.py
+OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/probe_threads.py
 """
 
 import os

@@ -5,7 +5,7 @@
 2. Plain decoding two ways, alternated per prompt: `generate`, and `speculative_generate` with drafting switched off
    (every step a plain step of our loop), in ms per token.
 
-OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_step_times.py mt-bench 4 96   # dataset, prompts, new tokens
+OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/probe_step_times.py mt-bench 4 96   # dataset, prompts, new tokens
 """
 
 import os

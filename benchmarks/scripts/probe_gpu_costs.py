@@ -1,6 +1,6 @@
 """What verifying and drafting cost on a GPU at Qwen3-8B's shapes: the numbers the round planner plans from.
 
-    python benchmarks/probe_gpu_costs.py --device cuda --output benchmarks/gpu_costs_qwen3_8b_shapes.json
+    python benchmarks/scripts/probe_gpu_costs.py --device cuda --output benchmarks/results/gpu_costs_qwen3_8b_shapes.json
 
 A Qwen3-8B-shaped target (hidden 4096, 36 layers, 32 heads, 8 KV heads, MLP 12288, vocabulary 151936) with random
 weights, built directly on the device in bfloat16, and DFlash drafters of 1 and 5 layers built for it
@@ -15,7 +15,7 @@ weights, built directly on the device in bfloat16, and DFlash drafters of 1 and 
 Random weights: these are costs only, nothing about acceptance. Prints one JSON document as the last line (with the
 conditions: device, versions, dtype, shapes) and writes it to `--output`. Shrink the shapes for a CPU smoke run:
 
-    python benchmarks/probe_gpu_costs.py --device cpu --dtype float32 --layers 2 --hidden 64 --heads 4 --kv-heads 2 \\
+    python benchmarks/scripts/probe_gpu_costs.py --device cpu --dtype float32 --layers 2 --hidden 64 --heads 4 --kv-heads 2 \\
         --intermediate 96 --vocab 256 --context 32 --repeats 1 --draft-repeats 1
 """
 
@@ -34,7 +34,8 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from hf_dflash import DFlashForDrafting  # noqa: E402
-from hf_dflash.bench.harness import cpu_model, time_draft_forward  # noqa: E402
+from hf_dflash.bench.draft_step import time_draft_forward  # noqa: E402
+from hf_dflash.bench.harness import cpu_model  # noqa: E402
 from hf_dflash.decoding.policy import measure_verify_costs  # noqa: E402
 
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
             "context_length": args.context,
             "verify_repeats": args.repeats,
             "draft_repeats": args.draft_repeats,
-            "command": " ".join(["python benchmarks/probe_gpu_costs.py", *(sys.argv[1:] if argv is None else argv)]),
+            "command": " ".join(["python benchmarks/scripts/probe_gpu_costs.py", *(sys.argv[1:] if argv is None else argv)]),
         },
         # the target's forward over n new tokens (what verifying n - 1 drafts plus the bonus costs)
         "verify": [

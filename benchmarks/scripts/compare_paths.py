@@ -1,7 +1,7 @@
 """Same draft, same target, same prompts: `target.generate` vs `generate(assistant_model=draft)` vs
 `hf_dflash.speculative_generate`, greedy, batch 1. Prints a table and one JSON document as the last line.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/compare_paths.py --prompts 6 --max-new-tokens 64 --repeats 3
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/compare_paths.py --prompts 6 --max-new-tokens 64 --repeats 3
 
 Two drafters: a fresh untrained one (tau = 1: pure overhead of each path) and, to see the paths at a realistic
 acceptance, the same drafter steered to the target's own greedy continuation with 20% of its tokens replaced
@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from helpers import OracleDraft  # noqa: E402
 
 from hf_dflash import DFlashForDrafting, speculative_generate  # noqa: E402

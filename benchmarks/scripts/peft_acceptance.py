@@ -4,11 +4,11 @@ For each (target, drafter) pair it runs greedy `speculative_generate` verifying 
 is the drafter's acceptance, free of the planner and of timing) on the first prompts of GSM8K, HumanEval and MT-Bench,
 and prints one JSON document last: tau per pair and prompt set, with the conditions.
 
-    python benchmarks/peft_acceptance.py --target_adapter benchmarks/peft/telegraph-stop-target-lora \
+    python benchmarks/scripts/peft_acceptance.py --target_adapter benchmarks/results/peft/telegraph-stop-target-lora \
         --datasets gsm8k:16 humaneval:40 mt-bench:16 \
         --pair base:base:drafters/smollm2-135m-instruct --pair tuned:base:drafters/smollm2-135m-instruct \
         --pair tuned:lora:drafters/smollm2-135m-instruct-telegraph-lora --pair tuned:full:runs/drafter-full \
-        --output benchmarks/peft/acceptance_more_stubs.json
+        --output benchmarks/results/peft/acceptance_more_stubs.json
 
 A pair is `TARGET:NAME:DRAFTER`, TARGET `base` or `tuned` (the target with `--target_adapter` merged), DRAFTER a
 drafter folder or a drafter adapter folder (`hf_dflash.loading.load_draft` reads both). `--datasets humaneval:40`

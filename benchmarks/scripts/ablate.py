@@ -10,7 +10,7 @@ target's features or the held-out tau), beside the whole child's CPU time (`getr
 alone), and tokens per target forward with the round planner on target verify costs measured once for all variants
 and each drafter's own measured draft step (the planner's choice, free of timing noise between variants).
 
-    python benchmarks/ablate.py --data runs/ablate/data.jsonl --runs runs/ablate --output benchmarks/ablation/ablation.json \
+    python benchmarks/scripts/ablate.py --data runs/ablate/data.jsonl --runs runs/ablate --output benchmarks/results/ablation/ablation.json \
         --common "--block_size 8 --num_draft_layers 2 --max_steps 150 --learning_rate 5e-3" \
         --variant baseline= --variant init-target="--draft_init target" \
         --variant acceptance-0.5="--acceptance_loss_weight 0.5"
@@ -40,7 +40,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from hf_dflash import speculative_generate  # noqa: E402
-from hf_dflash.bench.harness import time_draft_forward  # noqa: E402
+from hf_dflash.bench.draft_step import time_draft_forward  # noqa: E402
 from hf_dflash.data.chat import encode_prompt  # noqa: E402
 from hf_dflash.data.prompts import load_prompts  # noqa: E402
 from hf_dflash.data.records import load_training_dataset  # noqa: E402

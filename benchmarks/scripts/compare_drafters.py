@@ -6,7 +6,7 @@ acceptance, free of the round planner and of timing, so the two need not run at 
 of GSM8K, HumanEval and MT-Bench, and prints one JSON document last: each drafter's tau per set, the candidate's gain
 with a 90% interval from a paired bootstrap over the prompts, and whether it gains on every set.
 
-    python benchmarks/compare_drafters.py --current drafters/smollm2-135m-instruct --candidate runs/smollm2-s3 \
+    python benchmarks/scripts/compare_drafters.py --current drafters/smollm2-135m-instruct --candidate runs/smollm2-s3 \
         --datasets gsm8k:50 humaneval:50 mt-bench:50 --max_new_tokens 128 --output runs/compare.json
 
 `better_on_every_set` compares the measured taus; `resolved_on_every_set` asks more, a gain whose whole interval lies

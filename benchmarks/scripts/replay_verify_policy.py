@@ -1,6 +1,6 @@
 """Is the verify policy what holds the speedup back? Record real rounds, then replay them under other policies.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/replay_verify_policy.py --draft drafters/smollm2-135m-instruct \
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/replay_verify_policy.py --draft drafters/smollm2-135m-instruct \
         --datasets gsm8k humaneval mt-bench --limit 8 --max-new-tokens 96
 
 Each round verifies the whole block and records the draft's confidence in each proposal (its probability of its own

@@ -4,7 +4,7 @@ float32 and bfloat16, plus whether the exact preparation's block forward equals 
 
 Verifying k proposals pays only where a forward over k + 1 tokens costs little more than one token.
 
-OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_forward_rows.py [--max_tokens 32] [--dtypes float32] [--output report.json]
+OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/probe_forward_rows.py [--max_tokens 32] [--dtypes float32] [--output report.json]
 
 The last line printed is the report as one JSON document.
 """

@@ -3,7 +3,7 @@
 operator counts and self CPU milliseconds side by side, largest difference first: an operator our plain step runs
 and `generate` does not (or many more of them) is overhead the fallback's plain steps pay.
 
-OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_plain_ops.py 1 32   # torch threads, new tokens
+OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/probe_plain_ops.py 1 32   # torch threads, new tokens
 """
 
 import os

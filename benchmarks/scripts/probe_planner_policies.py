@@ -1,7 +1,7 @@
 """Modelled speedup of planner variants on the committed drafter, from the costs measured in the run (no timing):
 the planner with trees, without the fallback, chains only, and the draft's probabilities scaled by 0.8 / 0.6.
 
-OMP_WAIT_POLICY=PASSIVE python benchmarks/probe_planner_policies.py gsm8k 8 128   # dataset, prompts, new tokens
+OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/probe_planner_policies.py gsm8k 8 128   # dataset, prompts, new tokens
 """
 
 import os
