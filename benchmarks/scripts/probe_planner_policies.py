@@ -14,7 +14,7 @@ from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.bench.harness import load_benchmark_prompts
 from hf_dflash.decoding import policy as verify_policy
 from hf_dflash.decoding import speculative
-from hf_dflash.decoding.policy import VerifyCosts, cached_verify_costs
+from hf_dflash.decoding.policy import VerifyCosts, VerifyPlanner
 from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
@@ -24,7 +24,7 @@ ds = sys.argv[1]
 n = int(sys.argv[2])
 tokens = int(sys.argv[3])
 prompts = load_benchmark_prompts(tok, [ds], n)
-costs = cached_verify_costs(target, draft, 1, 17)
+costs = VerifyPlanner().costs_for(target, draft, 1, 17)
 log = []
 orig = speculative.SpeculativeStats.record_plan
 
@@ -47,9 +47,10 @@ def run(name, fallback=True, scale=1.0, tree=None):
         VerifyCosts.best_num_nodes = lambda self, pp: bn(self, pp * scale)
     toks = 0
     taus = []
+    planner = VerifyPlanner(costs=costs)  # the fallback's judgement carries from prompt to prompt
     for p in prompts:
         o = speculative_generate(
-            target, draft, p.input_ids[None], max_new_tokens=tokens, verify_costs=costs, tree=tree
+            target, draft, p.input_ids[None], max_new_tokens=tokens, verify_costs=costs, planner=planner, tree=tree
         )
         toks += o.num_new_tokens[0]
         taus += o.stats.acceptance_lengths

@@ -33,6 +33,7 @@ should_draft, record, record_plan = (
     verify_policy.Fallback.record,
     speculative.SpeculativeStats.record_plan,
 )
+planner = verify_policy.VerifyPlanner()  # one for every run, as a caller holding it would
 decisions, nodes, committed = [], [], []  # clock of each fallback decision (None: a run ended); per round
 
 
@@ -54,7 +55,9 @@ def counted_record_plan(self, tree, drafted):
 
 def speculative_run(ids, drafting=True):
     verify_policy.Fallback.should_draft = timed_should_draft if drafting else lambda self: False
-    out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens, verify_costs="auto")
+    out = speculative_generate(
+        target, draft, ids, max_new_tokens=max_new_tokens, verify_costs="auto", planner=planner
+    )
     decisions.append((time.perf_counter(), None))
     return out.sequences.shape[1] - ids.shape[1]
 
@@ -68,7 +71,7 @@ def plain(ids):
 verify_policy.Fallback.record, speculative.SpeculativeStats.record_plan = counted_record, counted_record_plan
 for ids in prompts:
     speculative_run(ids)
-costs = verify_policy.cached_verify_costs(target, draft, 1, 17)  # what the loop plans with (trees up to 16 nodes)
+costs = planner.costs_for(target, draft, 1, 17)  # what the loop planned with (trees up to 16 nodes)
 durations = [
     (1000 * (end - start), drafted)
     for (start, drafted), (end, _) in zip(decisions, decisions[1:])

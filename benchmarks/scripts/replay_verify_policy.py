@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from hf_dflash import DFlashForDrafting, speculative_generate  # noqa: E402
 from hf_dflash.bench.harness import load_benchmark_prompts  # noqa: E402
-from hf_dflash.decoding.policy import Fallback, VerifyCosts, measure_verify_costs  # noqa: E402
+from hf_dflash.decoding.policy import Fallback, VerifyCosts, VerifyPlanner, measure_verify_costs  # noqa: E402
 from hf_dflash.targets import load_target  # noqa: E402
 
 SCALES = (1.0, 0.8, 0.6)
@@ -44,10 +44,14 @@ class RecordingCosts(VerifyCosts):
         self.recorded.append((path_probs / previous)[0].tolist())
         return path_probs.shape[1]
 
-    def fallback(self, path: str = "") -> Fallback:
-        """A fallback, on any path, that never judges (its window is shorter than the rounds it waits for): every
-        step drafts."""
-        return Fallback(self, window=1, min_rounds=2)
+
+
+class NeverFallingBack(VerifyPlanner):
+    """A planner whose fallback, on any path, never judges (its window is shorter than the rounds it waits for):
+    every step drafts."""
+
+    def fallback(self, costs: VerifyCosts, path: str) -> Fallback:
+        return Fallback(costs, window=1, min_rounds=2)
 
 
 def record_rounds(target, draft, prompts, max_new_tokens: int) -> list[tuple[list[float], int]]:
@@ -57,7 +61,14 @@ def record_rounds(target, draft, prompts, max_new_tokens: int) -> list[tuple[lis
         costs = RecordingCosts(verify=(1.0,) * draft.config.block_size, draft=0.0)
         ids = prompt.input_ids[None]
         out = speculative_generate(
-            target, draft, ids, max_new_tokens=max_new_tokens, do_sample=False, verify_costs=costs, tree=False
+            target,
+            draft,
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            verify_costs=costs,
+            planner=NeverFallingBack(),
+            tree=False,
         )
         # a last step with nothing left to draft is a plain step: neither planned nor counted as a round
         rounds += [(c, length - 1) for c, length in zip(costs.recorded, out.stats.acceptance_lengths)]
