@@ -8,7 +8,8 @@ import torch
 from helpers import make_draft, make_target
 
 from hf_dflash import cli, loading
-from hf_dflash.cli import demo, train
+from hf_dflash.bench import paths
+from hf_dflash.cli import train
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -73,13 +74,13 @@ def test_compare_decoding_paths_times_three_paths_that_agree(planned):
     prompt = torch.tensor([[1, 5, 9, 14, 3]])
     inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
     planner = VerifyPlanner(costs=VerifyCosts(verify=(1.0, 1.5, 2.0, 2.5), draft=0.1)) if planned else None
-    comparison = demo.compare_decoding_paths(target, draft, inputs, max_new_tokens=12, planner=planner)
-    assert set(comparison.seconds) == {demo.PLAIN, demo.ASSISTED, demo.OURS}
+    comparison = paths.compare_decoding_paths(target, draft, inputs, max_new_tokens=12, planner=planner)
+    assert set(comparison.seconds) == {paths.PLAIN, paths.ASSISTED, paths.OURS}
     assert comparison.prompt_len == 5 and comparison.new_tokens == 12
     assert comparison.identical and comparison.stats.tau >= 1
     summary = comparison.summary()
     assert summary["identical"] is True and summary["new_tokens"] == 12
-    assert summary[demo.OURS] == round(12 / comparison.seconds[demo.OURS], 2)
-    comparison.sequences[demo.OURS] = comparison.sequences[demo.OURS].clone()
-    comparison.sequences[demo.OURS][0, -1] += 1
+    assert summary[paths.OURS] == round(12 / comparison.seconds[paths.OURS], 2)
+    comparison.sequences[paths.OURS] = comparison.sequences[paths.OURS].clone()
+    comparison.sequences[paths.OURS][0, -1] += 1
     assert not comparison.identical

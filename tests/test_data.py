@@ -43,7 +43,8 @@ from hf_dflash.data.sources import (
     training_prompts,
     write_prompts_jsonl,
 )
-from hf_dflash.data.tokens import cut_at_stop, left_pad, pad_token_id_for
+from hf_dflash.data.tokens import left_pad, pad_token_id_for
+from hf_dflash.model.generation_dflash import cut_at_stop
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"

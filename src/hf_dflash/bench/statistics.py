@@ -22,8 +22,8 @@ import torch
 
 from hf_dflash.bench.config import BASELINE
 from hf_dflash.bench.report import DatasetSummary, MethodSummary, Mismatch, PromptRun, SpeculativeStatsSummary
-from hf_dflash.data.tokens import cut_at_stop
 from hf_dflash.decoding.speculative import SpeculativeStats
+from hf_dflash.model.generation_dflash import cut_at_stop
 
 
 def median(values: Sequence[float]) -> float | None:

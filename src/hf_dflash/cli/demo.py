@@ -2,8 +2,8 @@
 
 The three paths are plain `target.generate`, transformers' `generate(assistant_model=draft)` and
 `hf_dflash.speculative_generate`, all greedy on the same inputs and on the models as prepared (`--cpu_kernels`).
-`compare_decoding_paths` does the work and returns a `PathComparison` (no printing; library material, kept here until
-a library module offers it); `run` loads, prints and exits 1 when the outputs differ. The drafter is `--draft`, else
+`hf_dflash.bench.paths.compare_decoding_paths` does the work; `run` loads, prints and exits 1 when the outputs
+differ. The drafter is `--draft`, else
 the one committed for the target in the source checkout (`hf_dflash.loading.committed_drafter`), else, with
 `--untrained`, a fresh one. Both drafted paths plan from one `VerifyPlanner`, whose costs are measured before any
 timing.
@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hf_dflash.decoding.policy import VerifyPlanner
+    from hf_dflash.bench.paths import PathComparison
 
 from .flags import add_cpu_kernel_flag, add_target_flags, prepare_cpu_kernels, target_arguments
 
@@ -27,7 +25,6 @@ DEFAULT_PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half "
     "as many clips in May. How many clips did Natalia sell altogether in April and May?"
 )
-PLAIN, ASSISTED, OURS = "target.generate", "generate(assistant_model=draft)", "speculative_generate"
 
 
 def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,80 +42,12 @@ def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
     return parser
 
 
-@dataclass
-class PathComparison:
-    """One prompt decoded by each path: its sequences (`[1, prompt + new]`) and seconds, by path name."""
-
-    prompt_len: int
-    sequences: dict[str, Any]
-    seconds: dict[str, float]
-    stats: Any  # the `SpeculativeStats` of `speculative_generate`
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens plain `generate` added (the count every path's rate is measured by)."""
-        return self.sequences[PLAIN].shape[1] - self.prompt_len
-
-    @property
-    def identical(self) -> bool:
-        """Whether every path returned plain `generate`'s sequence."""
-        plain = self.sequences[PLAIN].tolist()
-        return all(sequence.tolist() == plain for sequence in self.sequences.values())
-
-    def tokens_per_second(self) -> dict[str, float]:
-        """New tokens per second of each path."""
-        return {name: self.new_tokens / seconds for name, seconds in self.seconds.items()}
-
-    def summary(self) -> dict[str, Any]:
-        """The JSON the demo prints last: new tokens, agreement, tau and each path's tokens/s."""
-        summary = {"new_tokens": self.new_tokens, "identical": self.identical, "tau": self.stats.tau}
-        return summary | {name: round(rate, 2) for name, rate in self.tokens_per_second().items()}
-
-
-def compare_decoding_paths(
-    target, draft, inputs: Mapping[str, Any], *, max_new_tokens: int, planner: VerifyPlanner | None = None
-) -> PathComparison:
-    """Decode `inputs` (a tokenizer's `input_ids` and `attention_mask`, batch 1) greedily three ways and time each.
-
-    The models run as given: prepare both for the CPU first if wanted (`speculative_generate` is told not to). With
-    a `planner`, both drafted paths verify what pays by its costs (measured here, before any timing, if it has
-    none); without, they verify every proposal."""
-    import torch
-    from transformers import GenerationConfig
-
-    from hf_dflash import speculative_generate
-
-    budget = {"max_new_tokens": max_new_tokens, "do_sample": False}
-    costs = planner.costs_for(target, draft, batch_size=1) if planner is not None else None
-    assisted_config = GenerationConfig(**budget, dflash_planner=planner)
-    paths: dict[str, Callable[[], Any]] = {
-        PLAIN: lambda: target.generate(**inputs, **budget),
-        ASSISTED: lambda: target.generate(**inputs, assistant_model=draft, generation_config=assisted_config),
-        OURS: lambda: speculative_generate(
-            target,
-            draft,
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            verify_costs=costs,
-            planner=planner,
-            optimize_cpu=False,
-            **budget,
-        ),
-    }
-    outputs, seconds = {}, {}
-    with torch.no_grad():
-        for name, path in paths.items():
-            outputs[name], seconds[name] = _timed(path, target.device)
-    ours = outputs[OURS]
-    sequences = {PLAIN: outputs[PLAIN], ASSISTED: outputs[ASSISTED], OURS: ours.sequences}
-    return PathComparison(inputs["input_ids"].shape[1], sequences, seconds, ours.stats)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 when the three outputs are identical, 1 when not, 2 when there is no drafter to use."""
     import torch
 
     from hf_dflash import VerifyPlanner, loading
+    from hf_dflash.bench.paths import compare_decoding_paths
     from hf_dflash.data.chat import encode_messages
 
     draft_path = args.draft or (None if args.untrained else loading.committed_drafter(args.target))
@@ -161,6 +90,8 @@ def _drafter(draft_path: str | None, target, tokenizer, block_size: int):
 
 def _print_comparison(comparison: PathComparison, tokenizer) -> None:
     """The text, each path's rate and seconds, tau, the agreement, and the summary as JSON last."""
+    from hf_dflash.bench.paths import PLAIN
+
     print(tokenizer.decode(comparison.sequences[PLAIN][0, comparison.prompt_len :], skip_special_tokens=True))
     print()
     rates = comparison.tokens_per_second()
@@ -173,12 +104,3 @@ def _print_comparison(comparison: PathComparison, tokenizer) -> None:
     )
     print(f"identical output on all three paths: {comparison.identical}")
     print(json.dumps(comparison.summary()))
-
-
-def _timed(run: Callable[[], Any], device) -> tuple[Any, float]:
-    """`run()` and its seconds, read on the device's clock (CUDA and MPS run asynchronously)."""
-    from hf_dflash.decoding.policy import synchronized_clock
-
-    start = synchronized_clock(device)
-    result = run()
-    return result, synchronized_clock(device) - start

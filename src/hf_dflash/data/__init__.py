@@ -5,7 +5,8 @@ One job per module, lower ones first (each imports only those above it):
 - ``prompts``: the packaged prompt sets (benchmark and training) and the ``Prompt`` type;
 - ``chat``: the chat template, rendered and probed in one place (input text and ids, user header, turn closers,
   end-of-turn ids);
-- ``tokens``: the pad id, left padding and the stop cut;
+- ``tokens``: the pad id for a target and its tokenizer, and left padding (the stop cut is the Hub file's
+  ``cut_at_stop``);
 - ``records``: the records file (one JSON record per line), its resume rules, and loading it for training;
 - ``evaluation``: keeping the benchmark sets' items out of training prompts;
 - ``regenerate``: the one write/resume loop, and answering with the target loaded in process;

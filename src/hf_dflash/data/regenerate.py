@@ -29,7 +29,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from hf_dflash.data.chat import end_of_turn_ids
 from hf_dflash.data.prompts import Prompt
 from hf_dflash.data.records import drop_torn_last_line, pending_prompts, record_line
-from hf_dflash.data.tokens import cut_at_stop, left_pad, pad_token_id_for
+from hf_dflash.data.tokens import left_pad, pad_token_id_for
+from hf_dflash.model.generation_dflash import cut_at_stop
 
 logger = transformers.utils.logging.get_logger(__name__)
 

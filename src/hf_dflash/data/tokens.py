@@ -1,13 +1,14 @@
-"""Token-id rules that regeneration, the benchmark and the CLI share: the pad id, left padding, the stop cut.
+"""Token-id rules that regeneration, the benchmark and the CLI share: the pad id for a target and its tokenizer, and
+left padding.
 
-Each rule is written once here. The drafter's own loop keeps its copies inside the Hub files
-(``hf_dflash.model.generation_dflash.pad_token_id_of``) and ``hf_dflash.decoding.speculative`` (its stop cut on
-the tokens it accepts), since the Hub files import nothing from the package and the loop works on its own state.
+The rules decoding itself needs (a generation config's pad id, the cut at the first stop token) live in the Hub
+file `hf_dflash.model.generation_dflash` (`pad_token_id_of`, `cut_at_stop`), which imports nothing from the package;
+`pad_token_id_for` builds on `pad_token_id_of`, and the data and bench modules use `cut_at_stop` from there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -48,10 +49,3 @@ def left_pad(
         ids[i, length - len(row) :] = torch.as_tensor(row, dtype=torch.long, device=device)
         mask[i, length - len(row) :] = 1
     return ids, mask
-
-
-def cut_at_stop(tokens: Sequence[int], stop_ids: Collection[int]) -> list[int]:
-    """``tokens`` up to and including the first stop id; all of them when none is a stop id."""
-    tokens = list(tokens)
-    stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
-    return tokens if stop is None else tokens[: stop + 1]

@@ -130,6 +130,13 @@ class Fallback:
         `verify(1)`."""
         return sum(self._plain) / len(self._plain) if self._plain else self.costs.verify[0]
 
+    def record_step(self, drafted: bool, committed: int, num_rows: int, seconds: float) -> None:
+        """A step ended: a drafted round (`record`) or a plain step (`record_plain`) that took `seconds`."""
+        if drafted:
+            self.record(committed, num_rows, seconds)
+        else:
+            self.record_plain(seconds)
+
     def record_plain(self, seconds: float) -> None:
         """A plain step (no draft, one token per unfinished row) took `seconds`."""
         self._plain = [*self._plain, seconds][-self.window :]

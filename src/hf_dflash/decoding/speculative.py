@@ -42,6 +42,7 @@ from transformers.utils import logging
 from hf_dflash.model.generation_dflash import (
     check_draft_fits_target,
     context_features,
+    cut_at_stop,
     draft_forward,
     draft_logits_full_vocabulary,
     pad_token_id_of,
@@ -449,10 +450,8 @@ def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Te
         accepted = [row[: n - 1] + [b] for row, n, b in zip(tokens.tolist(), lengths.tolist(), new_bonus.tolist())]
         committed = commit(setup, state, accepted, stats, streamer, count_round=proposal.drafted)
         stats.record_plan(proposal.tree, drafted=proposal.drafted)
-        if fallback is not None and proposal.drafted:
-            fallback.record(committed, active, seconds=end - start)
-        elif fallback is not None:
-            fallback.record_plain(seconds=end - start)
+        if fallback is not None:
+            fallback.record_step(proposal.drafted, committed, active, seconds=end - start)
         state.bonus = new_bonus
     if streamer is not None:
         streamer.end()
@@ -637,15 +636,13 @@ def commit(setup: _Setup, state: DecodeState, tokens_per_row, stats, streamer, c
         if state.done[row]:
             continue
         generated = state.generated[row]
-        tokens = tokens[: setup.max_new_tokens - len(generated)]
-        stop = next((i for i, token in enumerate(tokens) if token in setup.eos_ids), None)
-        if stop is not None:
-            tokens = tokens[: stop + 1]
+        tokens = cut_at_stop(tokens[: setup.max_new_tokens - len(generated)], setup.eos_ids)
+        stopped = bool(tokens) and tokens[-1] in setup.eos_ids
         generated += tokens
         added += len(tokens)
         if count_round:
             stats.acceptance_lengths.append(len(tokens))
-        if stop is not None or len(generated) >= setup.max_new_tokens:
+        if stopped or len(generated) >= setup.max_new_tokens:
             state.done[row] = True
         if streamer is not None and tokens:
             streamer.put(torch.tensor(tokens))
