@@ -86,6 +86,13 @@ def token_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def cut_at_stop(tokens: Any, stop_ids: Any) -> list[int]:
+    """`tokens` up to and including the first of `stop_ids`; all of them when none is a stop id."""
+    tokens = list(tokens)
+    stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+    return tokens if stop is None else tokens[: stop + 1]
+
+
 def pad_token_id_of(generation_config: Any) -> int:
     """The id that pads finished rows and batches: `pad_token_id`, else the first EOS id, else 0."""
     if generation_config.pad_token_id is not None:
@@ -365,10 +372,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if self.fallback is not None and self.last_step is not None:
             length_before, drafted, start = self.last_step
             seconds = synchronized_clock(input_ids.device) - start
-            if drafted:
-                self.fallback.record(input_ids.shape[1] - length_before, 1, seconds)
-            else:
-                self.fallback.record_plain(seconds)
+            self.fallback.record_step(drafted, input_ids.shape[1] - length_before, 1, seconds)
         self.last_step = None
 
     def _num_worth_verifying(self, logits: torch.Tensor) -> int:
@@ -505,6 +509,7 @@ __all__ = [
     "check_draft_fits_target",
     "check_target_supported",
     "context_features",
+    "cut_at_stop",
     "draft_forward",
     "enable_dflash_generate",
     "is_dflash_draft",
