@@ -64,14 +64,14 @@ def test_prompt_file_is_untouched_when_writing_prompts_fails_midway(tmp_path):
 
 
 def test_feature_cache_leaves_nothing_when_saving_fails(tmp_path, monkeypatch):
-    import hf_dflash.training.target_features as target_cache
+    from hf_dflash.training import target_features
 
     def failing_save(tensors, filename):
         with open(filename, "wb") as file:
             file.write(b"partial")
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(target_cache, "save_file", failing_save)
+    monkeypatch.setattr(target_features, "save_file", failing_save)
     with pytest.raises(OSError, match="No space left"):
         _write({"features": torch.zeros(3, 4)}, tmp_path / "cache" / "abc.safetensors")
     assert list((tmp_path / "cache").iterdir()) == []

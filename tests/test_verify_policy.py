@@ -292,4 +292,4 @@ def test_sliding_window_batches_decoded_row_by_row_are_costed_per_row():
     speculative_generate(
         target, draft, input_ids, attention_mask, max_new_tokens=5, verify_costs="auto", planner=planner
     )
-    assert [key[1] for key in planner._measured] == [1]  # (block size, batch size, ...)
+    assert [key[2] for key in planner._measured] == [1]  # (target, block size, batch size, ...)

@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hf_dflash import DFlashForDrafting, speculative_generate
-from hf_dflash.decoding import policy as verify_policy
+from hf_dflash.decoding import policy
 from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
@@ -25,8 +25,8 @@ draft = DFlashForDrafting.from_pretrained(committed_drafter("smollm2-135m-instru
 messages = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 ids = ids["input_ids"]
-verify_policy.Fallback.should_draft = lambda self: False  # every step plain; the costs below are never planned on
-costs = verify_policy.VerifyCosts(verify=(1.0,) * 17, draft=0.0)
+policy.Fallback.should_draft = lambda self: False  # every step plain; the costs below are never planned on
+costs = policy.VerifyCosts(verify=(1.0,) * 17, draft=0.0)
 
 
 def ours() -> torch.Tensor:

@@ -12,8 +12,7 @@ import torch
 
 from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.bench.harness import load_benchmark_prompts
-from hf_dflash.decoding import policy as verify_policy
-from hf_dflash.decoding import speculative
+from hf_dflash.decoding import policy, speculative
 from hf_dflash.decoding.policy import VerifyCosts, VerifyPlanner
 from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
@@ -39,9 +38,9 @@ speculative.SpeculativeStats.record_plan = rec
 
 def run(name, fallback=True, scale=1.0, tree=None):
     log.clear()
-    rec_orig = verify_policy.Fallback.record
+    rec_orig = policy.Fallback.record
     if not fallback:
-        verify_policy.Fallback.record = lambda *a, **k: None
+        policy.Fallback.record = lambda *a, **k: None
     bn = VerifyCosts.best_num_nodes
     if scale != 1.0:
         VerifyCosts.best_num_nodes = lambda self, pp: bn(self, pp * scale)
@@ -54,7 +53,7 @@ def run(name, fallback=True, scale=1.0, tree=None):
         )
         toks += o.num_new_tokens[0]
         taus += o.stats.acceptance_lengths
-    verify_policy.Fallback.record = rec_orig
+    policy.Fallback.record = rec_orig
     VerifyCosts.best_num_nodes = bn
     cost = sum(costs.verify[0] if k < 0 else costs.draft + costs.verify[k] for k in log)  # prefill excluded
     plain_cost = (toks - len(prompts)) * costs.verify[0]

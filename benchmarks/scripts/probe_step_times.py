@@ -18,8 +18,7 @@ import torch
 
 from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.bench.harness import load_benchmark_prompts
-from hf_dflash.decoding import policy as verify_policy
-from hf_dflash.decoding import speculative
+from hf_dflash.decoding import policy, speculative
 from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
@@ -29,11 +28,11 @@ draft = DFlashForDrafting.from_pretrained(committed_drafter("smollm2-135m-instru
 dataset, num_prompts, max_new_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 prompts = [prompt.input_ids[None] for prompt in load_benchmark_prompts(tokenizer, [dataset], num_prompts)]
 should_draft, record, record_plan = (
-    verify_policy.Fallback.should_draft,
-    verify_policy.Fallback.record,
+    policy.Fallback.should_draft,
+    policy.Fallback.record,
     speculative.SpeculativeStats.record_plan,
 )
-planner = verify_policy.VerifyPlanner()  # one for every run, as a caller holding it would
+planner = policy.VerifyPlanner()  # one for every run, as a caller holding it would
 decisions, nodes, committed = [], [], []  # clock of each fallback decision (None: a run ended); per round
 
 
@@ -54,7 +53,7 @@ def counted_record_plan(self, tree, drafted):
 
 
 def speculative_run(ids, drafting=True):
-    verify_policy.Fallback.should_draft = timed_should_draft if drafting else lambda self: False
+    policy.Fallback.should_draft = timed_should_draft if drafting else lambda self: False
     out = speculative_generate(
         target, draft, ids, max_new_tokens=max_new_tokens, verify_costs="auto", planner=planner
     )
@@ -68,7 +67,7 @@ def plain(ids):
     return out.shape[1] - ids.shape[1]
 
 
-verify_policy.Fallback.record, speculative.SpeculativeStats.record_plan = counted_record, counted_record_plan
+policy.Fallback.record, speculative.SpeculativeStats.record_plan = counted_record, counted_record_plan
 for ids in prompts:
     speculative_run(ids)
 costs = planner.costs_for(target, draft, 1, 17)  # what the loop planned with (trees up to 16 nodes)

@@ -54,7 +54,7 @@ class BenchmarkConfig:
     draft_timing_repeats: int = 20
     draft_context_len: int = 128  # cached context the timed draft forward attends to (a typical prompt length)
     batch_sizes: tuple[int, ...] = (1, 4, 8)  # empty: skip the batched-throughput comparison
-    verify_costs: str | None = "auto"  # `ours`, `assisted`: "auto" verifies what pays (verify_policy); None: all
+    verify_costs: str | None = "auto"  # `ours`, `assisted`: "auto" verifies what pays (decoding.policy); None: all
     progress: bool = True
 
 

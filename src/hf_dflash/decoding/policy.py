@@ -4,7 +4,7 @@ On a GPU a target forward over 16 tokens costs about what one token costs, so DF
 On a CPU it does not (SmolLM2-135M on 2 cores: 1.1-1.6x a plain decoding step for 2 tokens, 1.5-2x for 8), so
 verifying proposals the draft itself doubts costs more than they bring. `VerifyCosts` holds the measured seconds of
 one target forward over `n = 1 .. n_max` tokens and of one draft forward. Each round the planner
-(`VerifyCosts.best_num_nodes`) takes the best-first candidates of the draft (`draft_tree`: a tree, or a chain) and
+(`VerifyCosts.best_num_nodes`) takes the best-first candidates of the draft (`tree`: a tree, or a chain) and
 keeps the first `N` that maximise
 
     expected committed tokens / (draft + verify(N + 1)),   expected = rows + sum over kept nodes of P(node accepted),
@@ -204,13 +204,13 @@ class VerifyPlanner:
     Pass one planner to every call that should share this (`speculative_generate(..., planner=planner)`; for
     `target.generate(..., assistant_model=draft)` as `GenerationConfig(..., dflash_planner=planner)`). A planner is
     a handle, never copied: `copy.deepcopy` (which `generate` applies to its generation config) returns it as is.
-    A planner serves one target: the measured costs and tree support are that target's.
+    Measured costs and tree support are kept per target object (`id(target)`), so one planner may serve several.
     """
 
     costs: VerifyCosts | None = None
     _measured: dict[tuple, VerifyCosts] = field(default_factory=dict, init=False, repr=False)
     _fallbacks: dict[tuple[str, VerifyCosts], Fallback] = field(default_factory=dict, init=False, repr=False)
-    _tree_support: dict[str | None, bool] = field(default_factory=dict, init=False, repr=False)
+    _tree_support: dict[tuple[int, str | None], bool] = field(default_factory=dict, init=False, repr=False)
 
     def __deepcopy__(self, memo: dict) -> VerifyPlanner:
         return self
@@ -226,7 +226,7 @@ class VerifyPlanner:
             return self.costs
         max_tokens = max_tokens or draft.config.block_size
         kernels = (is_optimized_for_cpu(target), target.config._attn_implementation)
-        key = (draft.config.block_size, batch_size, str(target.device), str(target.dtype), kernels)
+        key = (id(target), draft.config.block_size, batch_size, str(target.device), str(target.dtype), kernels)
         known = self._measured.get(key)
         if known is None or len(known.verify) < max_tokens:
             known = self._measured[key] = measure_verify_costs(target, draft, batch_size, max_tokens=max_tokens)
@@ -243,8 +243,8 @@ class VerifyPlanner:
         return self._fallbacks[key]
 
     def supports_trees(self, target: PreTrainedModel) -> bool:
-        """`supports_tree_verification(target)`, checked once per attention implementation."""
-        key = getattr(target.config, "_attn_implementation", None)
+        """`supports_tree_verification(target)`, checked once per target and attention implementation."""
+        key = (id(target), getattr(target.config, "_attn_implementation", None))
         if key not in self._tree_support:
             self._tree_support[key] = supports_tree_verification(target)
         return self._tree_support[key]

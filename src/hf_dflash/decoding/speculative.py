@@ -5,8 +5,8 @@ One round, for every row at once (B = block size, S <= B - 1 drafted slots):
 1. draft:  one drafter forward over `[bonus, MASK x (B-1)]`, conditioned on the target hidden states of the tokens
            committed since the last draft (`draft_block`);
 2. plan:   the proposals to verify (`propose`): every slot's argmax (a chain, DFlash as published); with measured
-           `verify_costs`, the best-first nodes of a draft tree (`draft_tree`) or chain worth their cost, possibly
-           none (`verify_policy`); under sampling, a chain of samples of `q` (or the draft's argmax, one-hot `q`);
+           `verify_costs`, the best-first nodes of a draft tree (`tree`) or chain worth their cost, possibly
+           none (`policy`); under sampling, a chain of samples of `q` (or the draft's argmax, one-hot `q`);
 3. verify: one target forward over `[bonus, nodes]` (`verify`): a causal mask for a chain, a tree mask and
            per-node positions (depth from the bonus) for a tree;
 4. accept: greedy keeps the longest path whose tokens are the target's argmax (`accept_greedy`); sampling applies
@@ -194,7 +194,7 @@ def speculative_generate(
         planner: what this call may reuse and leaves for the next: measured costs, the fallback's judgement of
             each decoding path, tree support (`VerifyPlanner`). Pass the same planner to every call on this target;
             `None`: a fresh planner for this call (`"auto"` then measures again).
-        tree: draft trees for greedy decoding, on targets that verify one exactly (`draft_tree`; not
+        tree: draft trees for greedy decoding, on targets that verify one exactly (`tree`; not
             sliding-window targets). `None`: with `verify_costs`, trees of up to 16 nodes when the target supports
             them, else chains; `False`: chains only; an int `N`: trees of up to `N` nodes with `verify_costs`, and
             without costs a fixed best-first tree of `N` nodes every round.
