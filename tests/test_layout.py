@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,10 +122,25 @@ def test_the_readme_layout_section_names_every_folder():
 
 
 def _folders() -> list[Path]:
-    """The folders a reader needs: the top level's, the package's, and those of `benchmarks/` and `drafters/`."""
-    skip = {".git", ".venv", ".venv-ci", "__pycache__", ".ruff_cache", ".pytest_cache"}
+    """The folders a reader needs, as git tracks them: the top level's, the package's, and those of `benchmarks/` and
+    `drafters/` (build outputs and other ignored folders are not the layout)."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    tracked = {Path(name).parent for name in listed.splitlines()}
+    tracked |= {parent for folder in tracked for parent in folder.parents}
+    wanted = {Path("."), Path("src/hf_dflash"), Path("benchmarks"), Path("drafters")}
+    return [ROOT / folder for folder in tracked if folder.parent in wanted and folder != Path(".")] + [PACKAGE]
 
-    def children(folder: Path) -> list[Path]:
-        return [p for p in folder.iterdir() if p.is_dir() and p.name not in skip and not p.name.endswith("egg-info")]
+def test_every_public_name_resolves_and_training_loads_on_first_use():
+    import sys
 
-    return [*children(ROOT), PACKAGE, *children(PACKAGE), *children(ROOT / "benchmarks"), *children(ROOT / "drafters")]
+    script = (
+        "import sys, hf_dflash\n"
+        "assert 'hf_dflash.training.trainer' not in sys.modules, 'import hf_dflash pulled in the trainer'\n"
+        "missing = [name for name in hf_dflash.__all__ if getattr(hf_dflash, name, None) is None]\n"
+        "assert not missing, missing\n"
+        "from hf_dflash import DFlashTrainer, DFlashTrainingArguments, VerifyPlanner, speculative_generate\n"
+        "from hf_dflash.training.trainer import DFlashTrainer as Trainer\n"
+        "assert DFlashTrainer is Trainer\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr

@@ -308,7 +308,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.lm_head = target.get_output_embeddings()
         self.target_layer_ids = list(draft.config.target_layer_ids)
         self.block_size = draft.config.block_size
-        self.mask_token_id = draft.config.mask_token_id
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
