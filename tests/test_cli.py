@@ -19,10 +19,10 @@ def test_every_command_is_a_module_with_make_parser_and_run():
     for name, module in cli.COMMANDS.items():
         assert callable(module.run) and module.__name__ == f"hf_dflash.cli.{name}"
         assert module.make_parser(subparsers).prog.endswith(f" {name}")
-    assert sorted(subparsers.choices) == sorted(cli.COMMANDS) == ["bench", "card", "data", "demo", "train"]
+    assert sorted(subparsers.choices) == sorted(cli.COMMANDS) == ["bench", "card", "data", "demo", "export", "train"]
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["data"], ["bench"], ["card"], ["train"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["data"], ["bench"], ["card"], ["train"], ["export"]])
 def test_every_help_exits_zero(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*command, "--help"])

@@ -22,6 +22,7 @@ FLOORS = {
     "decoding": 4,
     "data": 4,
     "training": 5,
+    "engines": 5,  # llama.cpp and friends, driven through their own programs
     "hf_dflash": 6,  # the package's public names (`hf_dflash/__init__.py`)
     "bench": 7,
     "cli": 8,

@@ -334,10 +334,17 @@ def test_a_malformed_answer_raises_naming_the_url(engine, tokenizer, stop_ids, t
     assert f"{engine.url}/completions" in str(error.value)
 
 
-def test_a_wrong_base_url_and_a_dead_server_are_explained(engine, tokenizer, stop_ids, tmp_path):
+def test_a_server_address_is_served_and_a_wrong_path_and_a_dead_server_are_explained(
+    engine, tokenizer, stop_ids, tmp_path
+):
+    server = engine.url[: -len("/v1")]  # what a user copies from the server's start-up line
+    regenerate_responses_with_server(
+        tokenizer, make_prompts(1), tmp_path / "base.jsonl", server_url=server, stop_ids=stop_ids, model=MODEL, **FAST
+    )
+    assert len((tmp_path / "base.jsonl").read_text().splitlines()) == 1
     with pytest.raises(RuntimeError, match=r"HTTP 404 \(does server_url end in /v1\?\)"):
         regenerate_responses_with_server(
-            tokenizer, make_prompts(1), tmp_path / "out.jsonl", server_url=engine.url[: -len("/v1")],
+            tokenizer, make_prompts(1), tmp_path / "out.jsonl", server_url=f"{server}/api",
             stop_ids=stop_ids, model=MODEL, **FAST,
         )  # fmt: skip
     with pytest.raises(
@@ -396,3 +403,12 @@ def test_data_command_regenerates_through_the_server(engine, target, tokenizer, 
         package_logger.setLevel(level)
     assert by_id(read_records(output)) == {p.id: local_records[p.id] for p in make_prompts(6)}
     assert len(engine.requests) == 6
+
+
+def test_a_bare_server_address_gets_the_api_base_and_a_path_is_kept():
+    from hf_dflash.data.server import api_base
+
+    assert api_base("http://127.0.0.1:8080") == "http://127.0.0.1:8080/v1"
+    assert api_base("http://127.0.0.1:8080/") == "http://127.0.0.1:8080/v1"
+    assert api_base("http://127.0.0.1:8080/v1/") == "http://127.0.0.1:8080/v1"
+    assert api_base("https://proxy.example/api/v1") == "https://proxy.example/api/v1"

@@ -5,8 +5,9 @@
     hf-dflash train [--target T] --data FILE.jsonl --output_dir DIR [--block_size 8 ...] (every TrainingArguments flag)
     hf-dflash bench [--target T] --draft DIR [--datasets gsm8k humaneval mt-bench:10] [--plain_threads 1]
     hf-dflash card  DIR
+    hf-dflash export --draft DIR --engine llama.cpp|vllm|sglang --output OUT
 
-Each command module (`demo`, `data`, `train`, `card`, `bench`) has `make_parser(subparsers)`, which adds its
+Each command module (`demo`, `data`, `train`, `card`, `bench`, `export`) has `make_parser(subparsers)`, which adds its
 subparser, and `run(args) -> int`, the exit code; the flags several commands share are in `flags`. Heavy imports
 happen inside `run`. `train`'s flags are `HfArgumentParser`'s, not argparse's: its subparser asks (by the default
 `takes_unparsed_flags`) for the flags the parser leaves unparsed, which every other command refuses.
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import sys
 
-from . import bench, card, data, demo, train
+from . import bench, card, data, demo, export, train
 from .flags import FlagParser
 
-COMMANDS = {"train": train, "demo": demo, "card": card, "bench": bench, "data": data}
+COMMANDS = {"train": train, "demo": demo, "card": card, "bench": bench, "data": data, "export": export}
 
 
 def main(argv: list[str] | None = None) -> int:

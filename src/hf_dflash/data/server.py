@@ -37,6 +37,7 @@ import os
 import random
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -57,6 +58,16 @@ logger = transformers.utils.logging.get_logger(__name__)
 STOP_FINISHES = ("stop", "eos_token")
 LENGTH_FINISH = "length"
 MAX_BACKOFF_S = 60.0  # no single wait between retries is longer, whatever Retry-After asks
+
+
+def api_base(server_url: str) -> str:
+    """The OpenAI API base of ``server_url``: as given when it has a path (``http://host:8000/v1``, a proxy's
+    ``/api/v1``), else the server's ``/v1`` (``http://host:8000`` -> ``http://host:8000/v1``)."""
+    url = server_url.rstrip("/")
+    if urllib.parse.urlsplit(url).path:
+        return url
+    logger.info(f"{server_url} names a server, not its API: using {url}/v1")
+    return f"{url}/v1"
 
 
 def regenerate_responses_with_server(
@@ -90,7 +101,8 @@ def regenerate_responses_with_server(
         prompts: prompts to answer; ids already in the file, repeated ids and prompts longer than
             ``max_prompt_tokens`` (in the chat template) are skipped.
         output_path: the JSONL file, appended to; rerunning the same call resumes it.
-        server_url: the API base, ending in ``/v1`` (``http://host:8000/v1``).
+        server_url: the API base (``http://host:8000/v1``); a bare server address (``http://host:8000``) gets
+            ``/v1``, where OpenAI-compatible servers (vLLM, SGLang, llama-server) serve the API (``api_base``).
         stop_ids: the ids that end a turn, as ``chat.end_of_turn_ids`` (of the target or its ``GenerationConfig``)
             gives them; one of them is appended to responses the server reports as stopped.
         model: the served model's name; ``None`` asks ``GET {server_url}/models`` and takes the first.
@@ -115,7 +127,7 @@ def regenerate_responses_with_server(
         raise ValueError(
             f"concurrency must be at least 1 and max_retries at least 0, got {concurrency}, {max_retries}"
         )
-    client = _Client(server_url.rstrip("/"), timeout_s, max_retries, backoff_s, api_key)
+    client = _Client(api_base(server_url), timeout_s, max_retries, backoff_s, api_key)
     sampling = {
         "max_tokens": max_new_tokens,
         "temperature": temperature if do_sample else 0.0,
