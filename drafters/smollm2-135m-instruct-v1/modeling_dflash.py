@@ -274,7 +274,8 @@ def warn_about_zlab_readers(config: DFlashConfig, full_vocabulary: bool) -> None
         logger.warning(
             f"z-lab export with a reduced draft vocabulary ({config.draft_vocab_size} tokens, `lm_head.weight` + "
             "`d2t`): vLLM drafts over it as trained; SGLang ignores both and drafts over the target's whole head; "
-            "the authors' reference model and llama.cpp take no `d2t`: export with `full_vocabulary=True` for them."
+            "the authors' reference model takes no `d2t` (export with `full_vocabulary=True` for it), and llama.cpp "
+            "maps it only through `hf-dflash export --engine llama.cpp`."
         )
     if "sliding_attention" in config.layer_types and not config.causal_sliding_attention:
         logger.warning(
