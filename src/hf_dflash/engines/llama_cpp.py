@@ -168,7 +168,7 @@ def _convert(llama_cpp: LlamaCpp, folder: Path, target_folder: Path, output: Pat
     gguf_py = os.pathsep.join([str(llama_cpp.root / "gguf-py"), os.environ.get("PYTHONPATH", "")])
     environment = os.environ | {"PYTHONPATH": gguf_py}  # the vendored gguf-py knows the DFlash architectures
     result = subprocess.run(command, capture_output=True, text=True, env=environment)
-    if result.returncode != 0 or not output.is_file():
+    if result.returncode != 0 or output.stat().st_size == 0:  # `output` is the empty temporary file until written
         raise RuntimeError(f"llama.cpp's converter failed ({' '.join(command)}):\n{result.stderr[-3000:]}")
 
 
