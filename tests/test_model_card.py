@@ -124,7 +124,8 @@ def test_serving_points_at_the_zlab_copy():
 def test_block_size_drives_llama_cpp_arguments():
     text = render_model_card(filled_info(block_size=8)).text
     assert "--spec-type draft-dflash --spec-draft-n-max 7" in text
-    assert "convert_hf_to_gguf.py Qwen3-8B-DFlash-b16-zlab --target-model-dir" in text
+    assert "hf-dflash export --draft someone/Qwen3-8B-DFlash-b16 --engine llama.cpp" in text  # through the converter
+    assert "-md draft-llama.cpp/draft.gguf" in text
 
 
 @pytest.mark.parametrize(

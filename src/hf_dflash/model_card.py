@@ -261,15 +261,16 @@ def _adapter_settings(folder: Path) -> dict[str, Any]:
 
 def _serving_notes(info: DrafterCardInfo) -> list[str]:
     """What each serving engine reads of this drafter, where one reads it differently from how it was trained (rules
-    read from the engines' loaders: vLLM `qwen3_dflash.py`, SGLang `models/dflash.py`)."""
+    read from the engines' loaders: vLLM `qwen3_dflash.py`, SGLang `models/dflash.py`, llama.cpp `conversion/qwen.py`)."""
     notes = []
     if info.draft_vocab_size is not None:
         of_vocab = f" of {info.vocab_size}" if info.vocab_size else ""
         notes.append(
             f"**Reduced vocabulary** ({info.draft_vocab_size}{of_vocab} tokens). The z-lab export carries "
             "`lm_head.weight` (the target head's rows of those tokens) beside `d2t`: vLLM drafts over them as trained. "
-            "SGLang ignores both and drafts over the target's whole head. The authors' reference model and llama.cpp "
-            'take no `d2t`: for them write `save_pretrained(folder, layout="z-lab", full_vocabulary=True)`.'
+            "SGLang ignores both and drafts over the target's whole head. llama.cpp's converter maps `d2t` only in "
+            "its DSpark class, which `hf-dflash export --engine llama.cpp` uses. The authors' reference model takes "
+            'no `d2t`: for it write `save_pretrained(folder, layout="z-lab", full_vocabulary=True)`.'
         )
     if "sliding_attention" in info.layer_types and not info.causal_sliding_attention:
         notes.append(
