@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from .flags import add_cpu_kernel_flag, add_target_flags, prepare_cpu_kernels, target_arguments
+from .flags import add_cpu_kernel_flag, add_draft_flags, add_target_flags, prepare_cpu_kernels, target_arguments
 
 
 def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -21,15 +21,7 @@ def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
         help="time every decoding path on real prompts against the fastest plain decoding; check identical outputs",
     )
     add_target_flags(parser)
-    parser.add_argument(
-        "--draft",
-        required=True,
-        help="drafter folder or Hub id (the committed drafters are in the git repository's drafters/ folder)",
-    )
-    parser.add_argument("--draft_revision", default=None, help="Hub revision of --draft")
-    parser.add_argument(
-        "--base_draft", default=None, help="the base drafter of a --draft adapter folder (default: the one it records)"
-    )
+    add_draft_flags(parser)
     parser.add_argument(
         "--datasets",
         nargs="+",

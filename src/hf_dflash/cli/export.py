@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from .flags import add_target_flags, target_arguments
+from .flags import add_draft_flags, add_target_flags, target_arguments
 
 
 def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,10 +22,7 @@ def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
 
     parser = subparsers.add_parser("export", help="write a drafter for a serving engine (llama.cpp, vLLM, SGLang)")
     add_target_flags(parser)
-    parser.add_argument("--draft", required=True, help="drafter folder or Hub id")
-    parser.add_argument(
-        "--base_draft", default=None, help="the base drafter of a --draft adapter folder (default: the one it records)"
-    )
+    add_draft_flags(parser)
     parser.add_argument("--engine", required=True, choices=ENGINES)
     parser.add_argument("--output", required=True, help="folder to write (the engine's files and serving.json)")
     parser.add_argument(
@@ -45,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_dflash.engines.export import export_for_engine
 
     target, _ = loading.load_target_from_arguments(target_arguments(args))
-    draft = loading.load_draft(args.draft, target, base_draft=args.base_draft)  # an adapter is merged onto its base
+    draft = loading.load_draft(args.draft, target, revision=args.draft_revision, base_draft=args.base_draft)
     try:
         recipe = export_for_engine(
             draft, target, args.engine, args.output, target_id=args.target, full_vocabulary=args.full_vocabulary,

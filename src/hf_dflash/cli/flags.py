@@ -40,6 +40,20 @@ def target_arguments(args: argparse.Namespace) -> TargetArguments:
     return TargetArguments(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TargetArguments)})
 
 
+def add_draft_flags(parser: argparse.ArgumentParser) -> None:
+    """`--draft` (required), `--draft_revision` and `--base_draft`: the drafter a command loads
+    (`hf_dflash.loading.load_draft`, which merges a drafter adapter onto its base)."""
+    parser.add_argument(
+        "--draft",
+        required=True,
+        help="drafter folder or Hub id (the committed drafters are in the git repository's drafters/ folder)",
+    )
+    parser.add_argument("--draft_revision", default=None, help="Hub revision of --draft")
+    parser.add_argument(
+        "--base_draft", default=None, help="the base drafter of a --draft adapter folder (default: the one it records)"
+    )
+
+
 def add_cpu_kernel_flag(parser: argparse.ArgumentParser) -> None:
     """`--cpu_kernels fast|exact|off`: how a CPU target (and drafter) is prepared (`prepare_cpu_kernels`)."""
     parser.add_argument(
