@@ -41,12 +41,13 @@ def run(args: argparse.Namespace) -> int:
     from hf_dflash import loading
     from hf_dflash.engines.export import export_for_engine
 
+    engine_target = _llama_cpp_target(args) if args.engine == "llama.cpp" else {}  # refused before anything loads
     target, _ = loading.load_target_from_arguments(target_arguments(args))
     draft = loading.load_draft(args.draft, target, revision=args.draft_revision, base_draft=args.base_draft)
     try:
         recipe = export_for_engine(
             draft, target, args.engine, args.output, target_id=args.target, full_vocabulary=args.full_vocabulary,
-            **_llama_cpp_target(args) if args.engine == "llama.cpp" else {},
+            **engine_target,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as error:
         print(f"hf-dflash export: error: {error}", file=sys.stderr)
