@@ -88,7 +88,7 @@ def test_greedy_outputs_are_the_targets_own(device, family, generator_spy):
     assert _on(device, chains.sequences, planned.sequences, via_generate)
     assert generator_spy == ["DFlashCandidateGenerator"] * 2
     assert chains.stats.tau > 2 and planned.stats.num_rounds > 0  # long accepted runs; 20% wrong slots roll back
-    if tree_unsupported_reason(target, do_sample=False) is not None:
+    if tree_unsupported_reason(target, do_sample=False, planner=VerifyPlanner()) is not None:
         assert planned.stats.tree_rounds == 0
         return
     # siblings one logit behind the first choice: trees, fixed or planned, accept what a chain cannot propose
@@ -113,7 +113,7 @@ def test_a_ragged_batch_of_two_gives_each_rows_own_output(device, family):
     width = input_ids.shape[1]
 
     variants = [{"tree": False}, {"verify_costs": flat_costs()}]
-    if tree_unsupported_reason(target, do_sample=False) is None:
+    if tree_unsupported_reason(target, do_sample=False, planner=VerifyPlanner()) is None:
         variants.append({"tree": 16})
     for kwargs in variants:
         out = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=30, **kwargs)

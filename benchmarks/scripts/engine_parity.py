@@ -41,11 +41,6 @@ from hf_dflash.targets import converted_target_folder, locate_gguf  # noqa: E402
 TARGET = "smollm2-135m-instruct"
 
 
-def steps(length: float, passes: int) -> tuple[float, int]:
-    """(committed tokens, target steps) of a run from its mean accepted length and its number of draft passes."""
-    return length * passes, passes
-
-
 def ours(target, draft, tokenizer, prompt, max_new_tokens: int) -> dict:
     ids = torch.tensor([encode_prompt(tokenizer, prompt)])
     out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens, tree=False, optimize_cpu=False)

@@ -151,7 +151,7 @@ def extra_thread_counts(thread_counts: Sequence[int]) -> list[int]:
 
 
 def not_applicable(
-    names: Sequence[str], target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner | None = None
+    names: Sequence[str], target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner
 ) -> dict[str, str]:
     """The methods that would repeat another one or cannot run in this setting, with the reason (tree support is
     asked of `planner`, which answers it once)."""

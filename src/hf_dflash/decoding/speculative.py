@@ -276,12 +276,9 @@ def _max_tree_nodes(
     raise ValueError(f"tree={tree!r} cannot be used: {reason}. Pass tree=False (chains).")
 
 
-def tree_unsupported_reason(
-    target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner | None = None
-) -> str | None:
+def tree_unsupported_reason(target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner) -> str | None:
     """Why `target` cannot verify draft trees under these settings, or `None` when it can (tree support is
-    checked once per `planner`; `None`: checked now)."""
-    planner = planner if planner is not None else VerifyPlanner()
+    checked once per `planner`)."""
     if do_sample:
         return "draft trees are verified for greedy decoding only (sampling verifies chains)"
     if _has_sliding_window(target):

