@@ -288,6 +288,76 @@ def test_the_target_cache_on_disk_is_reused_per_sequence_for_the_same_target(tmp
     assert len(forwards) == 3 and all(features.shape[0] == 5 for features in short.features)  # other tokens
 
 
+def test_features_read_from_disk_give_the_in_memory_loss_and_hold_no_tensors(tmp_path):
+    from datasets import Dataset
+
+    target = make_target("llama")
+    dataset = Dataset.from_list(_records(target))
+    draft = make_draft(target, block_size=8, num_hidden_layers=1, draft_vocab_size=64)
+    draft.set_draft_vocabulary(torch.arange(10, 74))
+    draft.train()
+    features = str(tmp_path / "features")
+    in_memory = DFlashTrainer(
+        model=draft, target=target, args=_distill_args(tmp_path, cache_target_features=True), train_dataset=dataset
+    )
+    on_disk = DFlashTrainer(
+        model=draft,
+        target=target,
+        args=_distill_args(
+            tmp_path, cache_target_features=True, target_features_dir=features, target_features_storage="disk"
+        ),
+        train_dataset=dataset,
+    )
+    cache = on_disk.target_cache
+    assert cache.features == [] and cache.top_logits == [] and len(cache.files) == len(dataset) == len(cache)
+    batch = in_memory.data_collator([dict(in_memory.train_dataset[i]) for i in (2, 0)])
+    assert torch.equal(in_memory.compute_loss(draft, batch), on_disk.compute_loss(draft, batch))
+
+
+def test_float16_features_halve_the_files_stay_close_and_keep_their_own_folder(tmp_path):
+    from datasets import Dataset
+
+    from hf_dflash.training import target_features
+
+    target = make_target("qwen3")
+    dataset = Dataset.from_list(_records(target, count=2))
+    draft = make_draft(target, block_size=8, num_hidden_layers=1)
+    folder = tmp_path / "features"
+    full = target_features.build_target_cache(target, dataset, draft, 2048, 0, folder)
+    half = target_features.build_target_cache(target, dataset, draft, 2048, 0, folder, dtype=torch.float16)
+    assert half.features[0].dtype == torch.float16
+    torch.testing.assert_close(half.features[0].float(), full.features[0], rtol=1e-3, atol=1e-3)
+    stores = sorted(folder.iterdir(), key=lambda store: sum(f.stat().st_size for f in store.iterdir()))
+    assert len(stores) == 2  # fp16 values never stand in for fp32 ones
+    sizes = [sum(f.stat().st_size for f in store.iterdir()) for store in stores]
+    assert sizes[0] < 0.55 * sizes[1]
+    read = target_features.build_target_cache(target, dataset, draft, 2048, 0, folder, "disk", torch.float16)
+    batch = read.batch_features([1, 0], 30, torch.device("cpu"))
+    assert batch.dtype == torch.float32 and torch.equal(
+        batch[1, : half.features[0].shape[0]], half.features[0].float()
+    )
+
+
+def test_features_beyond_float16_range_are_refused_not_stored_as_inf(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from hf_dflash.training import target_features
+
+    target = make_target("qwen3")
+    dataset = Dataset.from_list(_records(target, count=1))
+    draft = make_draft(target, block_size=8, num_hidden_layers=1)
+    real_forward = target_features.target_forward
+
+    def huge_forward(*args, **kwargs):
+        features, logits = real_forward(*args, **kwargs)
+        return features * 1e6, logits
+
+    monkeypatch.setattr(target_features, "target_forward", huge_forward)
+    with pytest.raises(ValueError, match="store the features as float32"):
+        target_features.build_target_cache(target, dataset, draft, 2048, 0, tmp_path, dtype=torch.float16)
+    assert not any(path.is_file() for path in tmp_path.rglob("*"))  # nothing half-written
+
+
 def test_a_feature_cache_of_an_earlier_version_is_named_not_silently_ignored(tmp_path, caplog):
     import logging
 
@@ -315,6 +385,9 @@ def test_bad_lever_arguments_are_named(tmp_path):
         ({"distill_weight": 0.0, "target_features_dir": "x"}, "pass both"),
         ({"acceptance_loss_weight": 2.0}, "acceptance_loss_weight"),
         ({"draft_init": "copy"}, "draft_init"),
+        ({"target_features_storage": "ssd"}, "target_features_storage"),
+        ({"cache_target_features": True, "distill_top_k": 4, "target_features_storage": "disk"}, "pass it"),
+        ({"target_features_dtype": "bfloat16"}, "target_features_dtype"),
     ):
         with pytest.raises(ValueError, match=message):
             _distill_args(tmp_path, **bad)

@@ -2,11 +2,16 @@
 
 For each training sequence: the draft's context features `[T, n*H]` and, for distillation (`distill_top_k`), the
 target's `k` largest logits over the draft vocabulary with their draft-vocabulary indices `[T, k]`. Kept in memory
-(fp32, on the CPU) and, with `target_features_dir`, on disk: one safetensors file per sequence, named by a digest of
-its token ids, in a folder named by a digest of everything else the values depend on (the target's weights, the
-tapped layers, `k` and the draft vocabulary). A later run on the same target (another variant of an ablation, the
-next stage of a recipe, whose data holds the previous stage's) runs the target only on the sequences it has not seen,
-and a changed target or setting never matches.
+(on the CPU) and, with `target_features_dir`, on disk: one safetensors file per sequence, named by a digest of its
+token ids, in a folder named by a digest of everything else the values depend on (the target's weights, the tapped
+layers, `k`, the draft vocabulary and the stored dtype). A later run on the same target (another variant of an
+ablation, the next stage of a recipe, whose data holds the previous stage's) runs the target only on the sequences it
+has not seen, and a changed target or setting never matches.
+
+Features take `n * H` values per token (11.5 KB in fp32 for SmolLM2's five tapped layers): 20,000 sequences of 400
+tokens would need 92 GB. `storage="disk"` keeps only the file paths in memory and reads each batch's rows from disk;
+`dtype=torch.float16` halves memory and disk (features are read back as fp32; fp16 keeps 11 bits of mantissa where
+bf16 keeps 8, and its range holds the hidden states of the targets tried, checked when stored).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 from transformers.utils import logging
@@ -31,25 +37,40 @@ from hf_dflash.model.modeling_dflash import DFlashForDrafting
 logger = logging.get_logger(__name__)
 
 
+STORAGES = ("memory", "disk")
+FEATURE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
 @dataclass
 class TargetCache:
     """Per training sequence i: `features[i]` `[T_i, n*H]`, and `top_logits[i]` / `top_ids[i]` `[T_i, k]` (the
-    target's k largest logits over the draft vocabulary and their indices in it) when cached for distillation."""
+    target's k largest logits over the draft vocabulary and their indices in it) when cached for distillation.
+
+    With `files`, nothing but the paths is held: row i's values are read from `files[i]` when a batch asks for them.
+    """
 
     features: list[torch.Tensor]
     top_logits: list[torch.Tensor] | None = None
     top_ids: list[torch.Tensor] | None = None
+    files: list[Path] | None = None
 
-    def append(self, entry: dict[str, torch.Tensor]) -> None:
-        """Add one sequence's `features` (and `top_logits` / `top_ids` when this cache holds logits)."""
+    def append(self, entry: dict[str, torch.Tensor], path: Path | None = None) -> None:
+        """Add one sequence: its file's path if this cache reads from disk, else its `features` (and `top_logits` /
+        `top_ids` when this cache holds logits)."""
+        if self.files is not None:
+            self.files.append(path)
+            return
         self.features.append(entry["features"])
         if self.top_logits is not None and self.top_ids is not None:
             self.top_logits.append(entry["top_logits"])
             self.top_ids.append(entry["top_ids"])
 
+    def __len__(self) -> int:
+        return len(self.files) if self.files is not None else len(self.features)
+
     def batch_features(self, rows: list[int], seq_len: int, device: torch.device) -> torch.Tensor:
-        """`[b, T, n*H]` features of the batch's rows, zero-padded on the right like the tokens."""
-        return _padded([self.features[row][:seq_len] for row in rows], device)
+        """`[b, T, n*H]` fp32 features of the batch's rows, zero-padded on the right like the tokens."""
+        return _padded([self._row(row, "features", seq_len).float() for row in rows], device)
 
     def batch_top_logits(
         self, rows: list[int], seq_len: int, device: torch.device
@@ -57,8 +78,14 @@ class TargetCache:
         """`[b, T, k]` top-k logits and draft-vocabulary indices of the batch's rows (padding: zeros)."""
         if self.top_logits is None or self.top_ids is None:
             raise ValueError("This cache holds no target logits: build it with top_k > 0 (distill_top_k).")
-        logits = _padded([self.top_logits[row][:seq_len] for row in rows], device)
-        return logits, _padded([self.top_ids[row][:seq_len] for row in rows], device)
+        logits = _padded([self._row(row, "top_logits", seq_len) for row in rows], device)
+        return logits, _padded([self._row(row, "top_ids", seq_len) for row in rows], device)
+
+    def _row(self, row: int, name: str, seq_len: int) -> torch.Tensor:
+        if self.files is None:
+            return getattr(self, name)[row][:seq_len]
+        with safe_open(str(self.files[row]), "pt") as file:
+            return file.get_slice(name)[:seq_len]
 
 
 def _padded(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -84,31 +111,46 @@ def build_target_cache(
     max_length: int,
     top_k: int = 0,
     folder: str | os.PathLike | None = None,
+    storage: str = "memory",
+    dtype: torch.dtype = torch.float32,
 ) -> TargetCache:
     """One target forward per training sequence, except for the sequences `folder` already holds for this target and
-    setting, which are read instead (new ones are written there)."""
+    setting, which are read instead (new ones are written there). Features are stored in `dtype` (float32 or
+    float16); `storage="disk"` (which needs `folder`) keeps only the files' paths in memory."""
     from tqdm.auto import tqdm
 
-    store = None if folder is None else Path(folder) / settings_key(target, draft, top_k)
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}.")
+    if storage == "disk" and folder is None:
+        raise ValueError("storage='disk' reads the features from their files: pass the folder (target_features_dir).")
+    if dtype not in FEATURE_DTYPES.values():
+        raise ValueError(f"features are stored as one of {list(FEATURE_DTYPES)}, got {dtype}.")
+    store = None if folder is None else Path(folder) / settings_key(target, draft, top_k, dtype)
     if folder is not None and any(Path(folder).glob("target-cache-*.safetensors")):
         logger.warning(
             f"{folder} holds target-cache-*.safetensors files of an earlier hf-dflash (one file per training set), "
             "which this version does not read: it keeps one file per sequence. Delete them to free the space."
         )
-    cache = TargetCache(features=[], top_logits=[] if top_k else None, top_ids=[] if top_k else None)
+    cache = TargetCache(
+        features=[],
+        top_logits=[] if top_k else None,
+        top_ids=[] if top_k else None,
+        files=[] if storage == "disk" else None,
+    )
     num_read = 0
     for input_ids in tqdm(dataset["input_ids"], desc="caching target features"):
         input_ids = list(input_ids[:max_length])
         path = None if store is None else store / f"{sequence_key(input_ids)}.safetensors"
         if path is not None and path.is_file():
-            entry, num_read = load_file(str(path)), num_read + 1
+            num_read += 1
+            entry = None if storage == "disk" else load_file(str(path))
         else:
-            entry = _target_entry(target, input_ids, draft, top_k)
+            entry = _target_entry(target, input_ids, draft, top_k, dtype)
             if path is not None:
                 _write(entry, path)
-        cache.append(entry)
+        cache.append(entry, path)
     if store is not None:
-        logger.info(f"Target features: read {num_read} of {len(cache.features)} sequences from {store}.")
+        logger.info(f"Target features: read {num_read} of {len(cache)} sequences from {store}.")
     return cache
 
 
@@ -128,23 +170,36 @@ def target_forward(
     return features, (out.logits if want_logits else None)
 
 
-
 def _target_entry(
-    target: PreTrainedModel, input_ids: list[int], draft: DFlashForDrafting, top_k: int
+    target: PreTrainedModel, input_ids: list[int], draft: DFlashForDrafting, top_k: int, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """One sequence's `{"features": [T, n*H]}`, with `top_logits` / `top_ids` `[T, k]` when `top_k`."""
+    """One sequence's `{"features": [T, n*H]}` in `dtype`, with `top_logits` / `top_ids` `[T, k]` when `top_k`."""
 
     ids = torch.tensor(input_ids, device=target.device)[None]
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     features, logits = target_forward(target, batch, list(draft.config.target_layer_ids), want_logits=top_k > 0)
-    entry = {"features": features[0].float().cpu()}
+    entry = {"features": _stored(features[0].float().cpu(), dtype)}
     if top_k:
         values, indices = top_k_over_draft_vocabulary(logits[0], draft.draft_token_ids, top_k)
         entry |= {"top_logits": values.cpu(), "top_ids": indices.cpu()}
     return entry
 
 
-def settings_key(target: PreTrainedModel, draft: DFlashForDrafting, top_k: int) -> str:
+def _stored(features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`features` in `dtype`; refused when a value does not fit it (fp16 overflows past 65,504)."""
+    if dtype == torch.float32:
+        return features
+    largest = features.abs().max().item()
+    if largest > torch.finfo(dtype).max:
+        raise ValueError(
+            f"A target feature reaches {largest:.4g}, beyond {dtype}'s range: store the features as float32."
+        )
+    return features.to(dtype)
+
+
+def settings_key(
+    target: PreTrainedModel, draft: DFlashForDrafting, top_k: int, dtype: torch.dtype = torch.float32
+) -> str:
     """A digest of everything but the tokens that the cached values depend on."""
     vocabulary = draft.draft_token_ids
     settings = {
@@ -153,6 +208,8 @@ def settings_key(target: PreTrainedModel, draft: DFlashForDrafting, top_k: int) 
         "top_k": top_k,
         "draft_vocabulary": None if vocabulary is None or not top_k else vocabulary.tolist(),
     }
+    if dtype != torch.float32:  # fp32 folders keep the names they had before the dtype was a setting
+        settings["features_dtype"] = str(dtype)
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -169,6 +226,8 @@ def _write(entry: dict[str, torch.Tensor], path: Path) -> None:
 
 
 __all__ = [
+    "FEATURE_DTYPES",
+    "STORAGES",
     "TargetCache",
     "build_target_cache",
     "sequence_key",

@@ -58,7 +58,14 @@ from .collator import (
     simulated_acceptance_length,
 )
 from .draft_init import initialize_draft_from_target
-from .target_features import TargetCache, build_target_cache, target_forward, top_k_over_draft_vocabulary
+from .target_features import (
+    FEATURE_DTYPES,
+    STORAGES,
+    TargetCache,
+    build_target_cache,
+    target_forward,
+    top_k_over_draft_vocabulary,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -140,6 +147,18 @@ class DFlashTrainingArguments(TrainingArguments):
             "later run on the same target and tapped layers (a recipe's next stage) runs the target only on new ones."
         },
     )
+    target_features_storage: str = field(
+        default="memory",
+        metadata={
+            "help": "Where cache_target_features keeps the features while training: 'memory', or 'disk' (needs "
+            "target_features_dir; only paths in memory, each batch's rows read from their files), for training "
+            "sets whose features outgrow memory."
+        },
+    )
+    target_features_dtype: str = field(
+        default="float32",
+        metadata={"help": "Stored dtype of cached features: 'float32' or 'float16' (half the memory and disk)."},
+    )
     lm_head_chunk_size: int = field(default=1024, metadata={"help": "Supervised slots per LM-head + loss chunk."})
     real_acceptance_steps: int = field(
         default=0, metadata={"help": "Every this many steps, measure the real tau with speculative_generate (0: off)."}
@@ -185,6 +204,16 @@ class DFlashTrainingArguments(TrainingArguments):
             )
         if self.target_features_dir and not self.cache_target_features:
             raise ValueError("target_features_dir keeps the cache of cache_target_features: pass both.")
+        if self.target_features_storage not in STORAGES:
+            raise ValueError(
+                f"target_features_storage must be one of {STORAGES}, got {self.target_features_storage!r}."
+            )
+        if self.target_features_storage == "disk" and not self.target_features_dir:
+            raise ValueError("target_features_storage='disk' reads the cache from target_features_dir: pass it.")
+        if self.target_features_dtype not in FEATURE_DTYPES:
+            raise ValueError(
+                f"target_features_dtype must be one of {list(FEATURE_DTYPES)}, got {self.target_features_dtype!r}."
+            )
         if self.remove_unused_columns:
             raise ValueError(
                 "DFlashTrainer needs remove_unused_columns=False (the draft's forward takes no input_ids)."
@@ -397,7 +426,14 @@ class DFlashTrainer(Trainer):
         if args.cache_target_features and kwargs.get("train_dataset") is not None:
             top_k = args.distill_top_k if args.distill_weight > 0 else 0
             self.target_cache = build_target_cache(
-                target, kwargs["train_dataset"], model, args.max_length, top_k, args.target_features_dir
+                target,
+                kwargs["train_dataset"],
+                model,
+                args.max_length,
+                top_k,
+                args.target_features_dir,
+                storage=args.target_features_storage,
+                dtype=FEATURE_DTYPES[args.target_features_dtype],
             )
             kwargs["train_dataset"] = kwargs["train_dataset"].add_column(
                 "row", list(range(len(kwargs["train_dataset"])))
