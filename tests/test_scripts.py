@@ -13,7 +13,7 @@ from helpers import load_module, make_draft, make_target
 
 from hf_dflash import DFlashForDrafting
 from hf_dflash.data.evaluation import EVALUATION_SETS, comparable_text
-from hf_dflash.data.prompts import HUMANEVAL_INSTRUCTION, prompt_set_path
+from hf_dflash.data.prompts import HUMANEVAL_INSTRUCTION, Prompt, prompt_set_path
 from hf_dflash.data.sources import training_prompts, write_prompts_jsonl
 from hf_dflash.model_card import write_training_info
 
@@ -21,6 +21,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 shaped_prompts = load_module(SCRIPTS / "shaped_prompts.py")
+prompt_pool = load_module(SCRIPTS / "prompt_pool.py")
 export_drafter = load_module(SCRIPTS / "export_drafter.py")
 
 
@@ -212,3 +213,49 @@ def test_compare_drafters_reuses_the_current_drafter_only_under_the_same_conditi
     assert compare.reused_current(str(report), "d", conditions) == acceptance
     with pytest.raises(SystemExit, match="another max_new_tokens, current drafter; drop --reuse"):
         compare.reused_current(str(report), "other", conditions | {"max_new_tokens": 9})
+
+
+def test_package_functions_come_from_the_named_package_and_skip_what_is_taken():
+    prompts = shaped_prompts.package_functions(["packaging"], 5, seed=0)
+    assert len(prompts) == 5 and all(p.id.split("/")[3] == "packaging" for p in prompts)
+    rest = shaped_prompts.package_functions(["packaging"], 10_000, seed=0, taken={comparable_text(p) for p in prompts})
+    assert not {p.messages[0]["content"] for p in prompts} & {p.messages[0]["content"] for p in rest}
+    with pytest.raises(ValueError, match="not an installed package"):
+        shaped_prompts.package_functions(["no_such_package_here"], 1, seed=0)
+
+
+def test_sharegpt_conversations_become_alternating_chats_or_nothing():
+    turns = [{"from": "human", "value": " Hi "}, {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Q?"}]
+    assert prompt_pool._sharegpt_messages(turns) == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Q?"},
+    ]
+    assert prompt_pool._sharegpt_messages(turns[1:]) == []  # starts with the assistant
+    assert prompt_pool._sharegpt_messages([turns[0], turns[0]]) == []  # two user turns in a row
+    assert prompt_pool._sharegpt_messages([turns[0], {"from": "gpt", "value": ""}, turns[2]]) == []  # an empty turn
+    history = [{"role": "user", "content": "x" * prompt_pool.MAX_HISTORY_CHARS}, {"role": "assistant", "content": "y"}]
+    assert not prompt_pool._fits([*history, {"role": "user", "content": "z"}])
+    assert prompt_pool._fits([*history[1:], {"role": "user", "content": "z" * prompt_pool.MAX_TURN_CHARS}])
+
+
+def test_chitchat_prompts_alternate_and_end_with_the_user():
+    prompts = prompt_pool.chitchat_dialogues(200, seed=0)
+    assert len(prompts) == 200 and len({p.id for p in prompts}) == 200
+    for prompt in prompts:
+        roles = [m["role"] for m in prompt.messages]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
+        assert len(roles) <= prompt_pool.MAX_CHITCHAT_TURNS and all(m["content"].strip() for m in prompt.messages)
+
+
+def test_the_held_out_slice_is_spread_over_sources_and_left_out_of_the_pool():
+    prompts = [
+        Prompt(f"{source}/{i}", source, [{"role": "user", "content": f"{source} {i}"}])
+        for source in ("a", "b", "c")
+        for i in range(10)
+    ]
+    pool, held_out = prompt_pool.split_held_out(prompts, 6, seed=0)
+    assert len(pool) == 24 and not {p.id for p in pool} & {p.id for p in held_out}
+    assert sorted(p.dataset for p in held_out) == ["a", "a", "b", "b", "c", "c"]
+    repeated = [*prompts[:3], Prompt("x/0", "x", prompts[0].messages), prompts[1]]
+    assert [p.id for p in prompt_pool.unique(repeated)] == [p.id for p in prompts[:3]]  # same text or id: dropped

@@ -126,9 +126,9 @@ def test_sharegpt_first_turns_are_bounded() -> None:
 def test_json_array_reader_stops_at_truncation(tmp_path: Path, chunk_chars: int) -> None:
     path = tmp_path / "cut.json"
     path.write_text('[\n  {"a": 1},\n  {"b": [2, "x,]"]}, {"c": "unterminat')
-    assert list(prompts._iter_json_array(path, chunk_chars=chunk_chars)) == [{"a": 1}, {"b": [2, "x,]"]}]
+    assert list(prompts.iter_json_array(path, chunk_chars=chunk_chars)) == [{"a": 1}, {"b": [2, "x,]"]}]
     path.write_text('[{"a": 1}, {"b": 2}]')
-    assert list(prompts._iter_json_array(path, chunk_chars=chunk_chars)) == [{"a": 1}, {"b": 2}]
+    assert list(prompts.iter_json_array(path, chunk_chars=chunk_chars)) == [{"a": 1}, {"b": 2}]
 
 
 def test_unknown_prompt_set_and_split() -> None:

@@ -204,7 +204,7 @@ def _read_sharegpt(path: Path) -> Iterator[tuple[str, str]]:
     The record ``id`` field is not unique (split conversations), so the index is used instead. Empty first
     turns and those longer than ``SHAREGPT_MAX_CHARS`` are skipped.
     """
-    for index, record in enumerate(_iter_json_array(path)):
+    for index, record in enumerate(iter_json_array(path)):
         turns = record.get("conversations") or []
         if not turns or turns[0].get("from") not in ("human", "user"):
             continue
@@ -216,7 +216,7 @@ def _read_sharegpt(path: Path) -> Iterator[tuple[str, str]]:
 _SEPARATORS = re.compile(r"[\s,]*")
 
 
-def _iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[dict]:
     """Elements of a top-level JSON array, decoded one by one from a file read in chunks.
 
     Tolerates a truncated file: decoding stops at the first element that does not complete before the end.
