@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -143,6 +144,7 @@ def load_module(path: Path, name: str | None = None) -> ModuleType:
     """Import a Python file that is not part of a package (``scripts/``, ``benchmarks/``, a saved remote-code copy)."""
     spec = importlib.util.spec_from_file_location(name or path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through the module's entry
     spec.loader.exec_module(module)
     return module
 

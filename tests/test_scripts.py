@@ -259,3 +259,31 @@ def test_the_held_out_slice_is_spread_over_sources_and_left_out_of_the_pool():
     assert sorted(p.dataset for p in held_out) == ["a", "a", "b", "b", "c", "c"]
     repeated = [*prompts[:3], Prompt("x/0", "x", prompts[0].messages), prompts[1]]
     assert [p.id for p in prompt_pool.unique(repeated)] == [p.id for p in prompts[:3]]  # same text or id: dropped
+
+
+def test_scaling_curve_subsets_are_prefixes_written_once_and_a_short_file_is_refused(tmp_path):
+    scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
+    assert scaling.Point.parse("3x:5718:16") == scaling.Point("3x", 5718, 16)
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(f'{{"id": {i}}}\n' for i in range(5)) + '{"id": 5')  # a torn last line
+    first = scaling.subset(records, 3, tmp_path / "work")
+    assert first.read_text().splitlines() == ['{"id": 0}', '{"id": 1}', '{"id": 2}']
+    records.write_text("")
+    assert scaling.subset(records, 3, tmp_path / "work") == first  # written once: the records may grow meanwhile
+    with pytest.raises(SystemExit, match="holds 0 complete records, not 6"):
+        scaling.subset(records, 6, tmp_path / "work")
+    records.write_text('{"id": 0}\n{"id": 1')
+    with pytest.raises(SystemExit, match="holds 2 complete records, not 2"):
+        scaling.subset(records, 2, tmp_path / "work")
+    assert sorted(path.name for path in (tmp_path / "work").iterdir()) == ["records-3.jsonl"]
+
+
+def test_a_scaling_report_measured_otherwise_is_refused_not_mixed(tmp_path):
+    scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
+    conditions = {"prompts": {"gsm8k": 50}, "max_new_tokens": 128, "verify": "whole", "recipe": "r"}
+    path = tmp_path / "report.json"
+    assert scaling.load_report(path, conditions) == {"conditions": conditions, "results": []}
+    scaling.save({"conditions": conditions, "results": [{"point": "1x"}]}, path)
+    assert scaling.load_report(path, conditions)["results"] == [{"point": "1x"}]
+    with pytest.raises(SystemExit, match="another max_new_tokens"):
+        scaling.load_report(path, conditions | {"max_new_tokens": 64})

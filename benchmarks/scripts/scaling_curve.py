@@ -1,0 +1,206 @@
+"""Whole-block tau against training data size and steps: does more regenerated data make the drafter better?
+
+Each point trains a drafter on the first N records of one regenerated file (`scripts/prompt_pool.py` shuffles the
+pool, so every prefix samples every source) with the same recipe and optimizer budget, then measures greedy
+whole-block tau (`speculative_generate` without verify costs: the drafter's acceptance, free of the planner and of
+timing) on held-out prompts of the training distribution and on the first prompts of the three benchmark sets.
+`--eval_steps` also measures the checkpoints a point saved on the way, for tau against steps.
+
+Everything resumes: a subset file, a finished drafter or a measured (point, step) is never redone, an interrupted
+training continues from its latest checkpoint (`--resume_from_checkpoint`), and the target's features are kept per
+sequence on disk in fp16 (`--target_features_storage disk`), shared by all points (a 3x subset holds the 1x one).
+The report (JSON, rewritten after every measurement) and its plot go where `--output` says.
+
+    python benchmarks/scripts/scaling_curve.py --records ../data/records.jsonl --held_out ../data/held_out.jsonl \
+        --work ../data/scaling --points 1x:1906:8 3x:5718:8 10x:19060:8 --max_steps 1600 --eval_steps 400 800 \
+        --output benchmarks/results/scaling/scaling_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peft_acceptance import WHOLE_BLOCK_GREEDY, acceptance_by_dataset, taus  # noqa: E402
+
+from hf_dflash.atomic_files import atomic_path  # noqa: E402
+from hf_dflash.data.prompts import load_prompts, split_set_limit  # noqa: E402
+from hf_dflash.data.sources import prompts_from_jsonl  # noqa: E402
+from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
+
+# The training recipe every point shares (the committed drafter's stage 1, single stage, its data size the variable).
+RECIPE = [
+    "--num_draft_layers", "2", "--draft_init", "target", "--target_layer_ids", "1", "8", "14", "20", "27",
+    "--layer_types", "sliding_attention", "full_attention", "--sliding_window", "32", "--num_anchors", "64",
+    "--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--logging_steps", "50",
+    "--draft_vocab_size", "8192", "--cache_target_features", "true", "--target_features_storage", "disk",
+    "--target_features_dtype", "float16", "--report_to", "none", "--save_strategy", "steps", "--use_cpu", "true",
+    "--seed", "0", "--disable_tqdm", "true", "--acceptance_holdout", "0",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Point:
+    """One drafter of the curve: `name`, trained on the first `records` records with block size `block_size`."""
+
+    name: str
+    records: int
+    block_size: int
+
+    @classmethod
+    def parse(cls, spec: str) -> Point:
+        name, records, block_size = spec.split(":")
+        return cls(name, int(records), int(block_size))
+
+
+def subset(records: Path, count: int, folder: Path) -> Path:
+    """The first `count` lines of `records`, written once (atomically); refused if the file holds fewer."""
+    path = folder / f"records-{count}.jsonl"
+    if path.is_file():
+        return path
+    with open(records, encoding="utf-8") as file:
+        lines = list(itertools.islice(file, count))
+    if len(lines) < count or not lines[-1].endswith("\n"):
+        raise SystemExit(f"{records} holds {len(lines)} complete records, not {count}: regenerate more first.")
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def train(point: Point, data: Path, work: Path, max_steps: int, save_steps: int) -> Path:
+    """Train (or finish training) the point's drafter; its folder once the final model is saved."""
+    output = work / point.name
+    if (output / "config.json").is_file():
+        return output
+    command = ["hf-dflash", "train", "--target", "smollm2-135m-instruct", "--data", str(data)]
+    command += ["--output_dir", str(output), "--block_size", str(point.block_size), "--max_steps", str(max_steps)]
+    command += ["--save_steps", str(save_steps), "--target_features_dir", str(work / "features"), *RECIPE]
+    if any(output.glob("checkpoint-*")):
+        command += ["--resume_from_checkpoint", "true"]
+    print(" ".join(command), flush=True)
+    subprocess.run(command, check=True)
+    return output
+
+
+def measure(target, tokenizer, drafter: Path, prompts: dict, max_new_tokens: int) -> dict:
+    """Whole-block tau per prompt set, with the per-prompt runs and the wall time."""
+    start = time.perf_counter()
+    acceptance = acceptance_by_dataset(target, tokenizer, load_draft(str(drafter), target), prompts, max_new_tokens)
+    return {"tau": taus(acceptance), "acceptance": acceptance, "wall_s": round(time.perf_counter() - start)}
+
+
+def load_report(path: Path, conditions: dict) -> dict:
+    """The report so far; one measured under other conditions is refused rather than mixed in."""
+    if not path.is_file():
+        return {"conditions": conditions, "results": []}
+    report = json.loads(path.read_text())
+    differing = [
+        key
+        for key in ("prompts", "max_new_tokens", "verify", "recipe")
+        if report["conditions"][key] != conditions[key]
+    ]
+    if differing:
+        raise SystemExit(f"{path} was measured with another {', '.join(differing)}; write to another --output.")
+    return report
+
+
+def save(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def plot(report: dict, path: Path) -> None:
+    """Tau per prompt set against records (final drafters, per block size) and against steps (per point)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, sets = report["results"], list(report["conditions"]["prompts"])
+    final = report["conditions"]["max_steps"]
+    fig, (by_data, by_steps) = plt.subplots(1, 2, figsize=(11, 4))
+    for (block_size, name), marker in zip(
+        itertools.product(sorted({r["block_size"] for r in results}), sets), "os^vD<>p" * 4
+    ):
+        points = sorted(
+            (r["records"], r["tau"][name]) for r in results if r["step"] == final and r["block_size"] == block_size
+        )
+        if points:
+            by_data.plot(*zip(*points), marker=marker, label=f"{name}, block {block_size}")
+    for point, name in itertools.product(sorted({r["point"] for r in results}), sets):
+        points = sorted((r["step"], r["tau"][name]) for r in results if r["point"] == point)
+        if len(points) > 1:
+            by_steps.plot(*zip(*points), marker="o", label=f"{name}, {point}")
+    by_data.set(xscale="log", xlabel="training records", ylabel="whole-block tau (greedy)", title="tau against data")
+    by_steps.set(xlabel="optimizer steps", ylabel="whole-block tau (greedy)", title="tau against steps")
+    for axes in (by_data, by_steps):
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--records", required=True, type=Path, help="regenerated records, in pool order")
+    parser.add_argument("--held_out", required=True, type=Path, help="held-out prompts of the same pool (.jsonl)")
+    parser.add_argument("--work", required=True, type=Path, help="subsets, drafters and features (outside the repo)")
+    parser.add_argument("--points", nargs="+", required=True, help="NAME:RECORDS:BLOCK_SIZE")
+    parser.add_argument("--max_steps", type=int, default=1600)
+    parser.add_argument("--save_steps", type=int, default=400)
+    parser.add_argument("--eval_steps", type=int, nargs="*", default=[], help="checkpoints also measured")
+    parser.add_argument("--datasets", nargs="+", default=["gsm8k:50", "humaneval:50", "mt-bench:50"])
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--output", required=True, type=Path)
+    args = parser.parse_args()
+
+    prompts = {"held-out": prompts_from_jsonl(args.held_out)}
+    prompts |= {name: load_prompts(name, count) for name, count in (split_set_limit(d, None) for d in args.datasets)}
+    conditions = {
+        "prompts": {name: len(items) for name, items in prompts.items()},
+        "max_new_tokens": args.max_new_tokens,
+        "verify": WHOLE_BLOCK_GREEDY,
+        "recipe": " ".join(RECIPE),
+        "max_steps": args.max_steps,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+        "command": " ".join(sys.argv),
+    }
+    report = load_report(args.output, conditions)
+    done = {(r["point"], r["step"]) for r in report["results"]}
+    target = tokenizer = None
+    for point in map(Point.parse, args.points):
+        drafter = train(
+            point, subset(args.records, point.records, args.work), args.work, args.max_steps, args.save_steps
+        )
+        for step in [*args.eval_steps, args.max_steps]:
+            if (point.name, step) in done:
+                continue
+            folder = drafter if step == args.max_steps else drafter / f"checkpoint-{step}"
+            if target is None:
+                target, tokenizer = load_target_and_tokenizer("smollm2-135m-instruct", device="cpu")
+            result = measure(target, tokenizer, folder, prompts, args.max_new_tokens)
+            report["results"].append(
+                {"point": point.name, "records": point.records, "block_size": point.block_size, "step": step, **result}
+            )
+            print(f"{point.name} step {step}: tau {result['tau']} ({result['wall_s']} s)", flush=True)
+            save(report, args.output)
+            plot(report, args.output.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
