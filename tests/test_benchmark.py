@@ -1,4 +1,5 @@
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from helpers import load_module, make_draft, make_target
 from hf_dflash import bench
 from hf_dflash.bench import harness as benchmark
 from hf_dflash.bench import methods as bench_methods
+from hf_dflash.bench import peers
 from hf_dflash.bench.config import ALL_METHODS, SAMPLING_ONLY, STOCK_BASELINE, BenchmarkConfig, BenchmarkPrompt
 from hf_dflash.bench.harness import load_benchmark_prompts, measure_batch_throughput, run_benchmark
 from hf_dflash.bench.methods import default_methods, plain_thread_methods, plain_threads_name
@@ -23,6 +25,7 @@ from hf_dflash.bench.statistics import (
     summarize,
 )
 from hf_dflash.decoding.policy import VerifyPlanner
+from hf_dflash.engines.llama_cpp import EngineRun
 
 PROMPTS = [
     BenchmarkPrompt("toy/0", "toy", torch.tensor([5, 6, 7, 8, 5, 6, 7, 8])),
@@ -150,14 +153,23 @@ def test_committed_reports_load_and_write_back_the_same_json(path):
     report = BenchmarkReport.read(path)
     assert report.datasets and report.per_prompt and report.conditions.max_new_tokens > 0
     again = report.to_json()
-    if path.name in OLDER_REPORTS:  # an older schema: every part but the config (now a `BenchmarkConfig`) round-trips
+    # the config is a `BenchmarkConfig`: it round-trips, plus the settings added since, at their defaults
+    assert again["config"].items() >= written["config"].items()
+    defaults = BenchmarkConfig()
+    for key in again["config"].keys() - written["config"].keys():
+        assert again["config"][key] == json.loads(json.dumps(getattr(defaults, key))), key
+    if path.name in OLDER_REPORTS:  # an older schema: every other part round-trips
         assert {key: value for key, value in again.items() if key != "config"} == {
             key: value for key, value in written.items() if key != "config"
         }
-        assert again["config"].items() >= written["config"].items()
         assert all("draft_ms_per_round" in s.extra for s in report.datasets.values())  # its own keys are kept
-    else:
-        assert again == written and list(again) == list(written)  # same keys, same order
+    else:  # same keys, same order
+        assert list(again) == list(written) and list(again["config"])[: len(written["config"])] == list(
+            written["config"]
+        )
+        assert {key: value for key, value in again.items() if key != "config"} == {
+            key: value for key, value in written.items() if key != "config"
+        }
     table = render_table(report)
     assert report.conditions.cpu in table and all(dataset in table for dataset in report.datasets)
 
@@ -495,3 +507,112 @@ def test_native_and_assisted_take_their_own_paths(generator_spy, target, draft):
         "DFlashCandidateGenerator",
         "PromptLookupCandidateGenerator",
     }
+
+
+# -- serving engines beside ours (bench.peers) -------------------------------------------------------------------------
+
+
+class _FakeEngine:
+    """An engine whose plain text is `"ab"` and whose DFlash text agrees with it except on prompts holding token 9."""
+
+    name, weights = "fake", "fake.gguf"
+
+    def __init__(self):
+        self.prompts = []
+
+    def plain(self, prompt, max_new_tokens):
+        self.prompts.append(prompt)
+        return EngineRun(text="ab\n", new_tokens=max_new_tokens, tokens_per_s=10.0 + len(self.prompts))
+
+    def dflash(self, prompt, max_new_tokens):
+        text = "ax" if "9" in prompt else "ab"
+        return EngineRun(text, max_new_tokens, 20.0, mean_accepted_length=2.0 + len(prompt) % 2, draft_passes=4)
+
+
+class _DigitTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        assert not skip_special_tokens  # the engine must see the chat template's special tokens
+        return " ".join(str(i) for i in ids.tolist())
+
+
+def test_peer_rows_reduce_each_engine_mode_and_dataset():
+    engine = _FakeEngine()
+    rows = peers.measure_peers([engine], PROMPTS, _DigitTokenizer(), max_new_tokens=12)
+    assert engine.prompts == [" ".join(str(i) for i in p.input_ids.tolist()) for p in PROMPTS]
+    by_key = {(r.dataset, r.mode): r for r in rows}
+    assert sorted(by_key) == [("other", "dflash"), ("other", "plain"), ("toy", "dflash"), ("toy", "plain")]
+    toy_plain, toy_dflash = by_key["toy", "plain"], by_key["toy", "dflash"]
+    assert (toy_plain.prompts, toy_plain.tokens_per_s, toy_plain.mean_accepted_length) == (3, 12.0, None)
+    assert toy_dflash.agrees_with_plain == 2  # toy/1 holds token 9: its DFlash text parts from the plain one
+    lengths = [2.0 + len(" ".join(str(i) for i in p.input_ids.tolist())) % 2 for p in PROMPTS[:3]]
+    assert toy_dflash.mean_accepted_length == pytest.approx(sum(lengths) / 3, abs=1e-3)  # equal passes: the mean
+    assert (toy_dflash.weights, toy_dflash.engine) == ("fake.gguf", "fake")
+
+
+def test_peer_rows_weigh_accepted_length_by_the_engine_s_target_steps():
+    plain = EngineRun("a", 10, 5.0)
+    pairs = [(plain, EngineRun("a", 30, 9.0, 3.0, 10)), (plain, EngineRun("a", 10, 7.0, 1.0, 10))]
+    pairs.append((plain, EngineRun("b", 40, 8.0, 2.0, 20)))
+    _, dflash = peers.peer_rows("e", "w", "d", pairs)
+    assert dflash.mean_accepted_length == pytest.approx((30 + 10 + 40) / 40)
+    assert (dflash.tokens_per_s, dflash.agrees_with_plain) == (8.0, 2)
+
+
+def test_peers_run_in_the_benchmark_and_survive_its_report(target, draft, monkeypatch, tmp_path):
+    engine = _FakeEngine()
+    built = []
+
+    def fake_build(names, draft_, target_, target_gguf):
+        built.append((names, target_gguf))
+        return [engine], tempfile.TemporaryDirectory()
+
+    monkeypatch.setattr(benchmark, "build_peers", fake_build)
+    config = tiny_config(methods=("plain",), peers=("llama.cpp",), peer_target_gguf="t.gguf")
+    report = run_benchmark(config, target, _DigitTokenizer(), draft, prompts=PROMPTS[:2])
+    assert built == [(("llama.cpp",), "t.gguf")] and [r.mode for r in report.peers] == ["plain", "dflash"]
+    again = BenchmarkReport.from_json(json.loads(json.dumps(report.to_json())))
+    assert again.to_json() == report.to_json() and again.peers[1].agrees_with_plain == 1
+    assert "fake dflash (fake.gguf): 20.0 tok/s, accepted length" in render_table(report)
+
+    monkeypatch.setattr(benchmark, "build_peers", lambda *args: (_ for _ in ()).throw(RuntimeError("no engine")))
+    failed = run_benchmark(config, target, _DigitTokenizer(), draft, prompts=PROMPTS[:1])
+    assert "no engine" in failed.peers.error and "peers sub-benchmark failed" in " ".join(failed.failures)
+
+
+def test_peer_engines_refuse_what_they_cannot_run(target, draft):
+    with pytest.raises(ValueError, match="Unknown peer engine"):
+        peers.build_peers(["vllm"], draft, target, None)
+    with pytest.raises(ValueError, match="--peer_target_gguf"):
+        peers.build_peers(["llama.cpp"], draft, target, None)
+    with pytest.raises(ValueError, match="load the target from a local folder"):
+        peers.llama_cpp_peer(draft, target, "t.gguf", "unused")  # an in-memory model has no folder to convert
+
+
+@pytest.mark.slow
+def test_llama_cpp_peer_rows_for_the_committed_drafter(tmp_path):
+    """`hf-dflash bench --peers llama.cpp` on one GSM8K prompt: the engine runs the packaged GGUF plain and with the
+    committed drafter at a real accepted length. Whether its DFlash text agrees with its plain text is recorded, not
+    asserted: llama.cpp's multi-token forwards differ from its one-token ones in the last bits (its n-gram
+    speculation parts from plain text as often, `benchmarks/results/engine_parity_llama_cpp.json`)."""
+    from hf_dflash import loading
+    from hf_dflash.engines import llama_cpp
+    from hf_dflash.targets import locate_gguf
+
+    try:
+        llama_cpp.find_llama_cpp().tool("llama-speculative-simple")
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    name = "smollm2-135m-instruct"
+    target, tokenizer = loading.load_target_and_tokenizer(name, device="cpu", dtype="float32")
+    draft = loading.load_draft(loading.committed_drafter(name), target)
+    prompts = load_benchmark_prompts(tokenizer, ["gsm8k:1"], None)
+    engines, folder = peers.build_peers(["llama.cpp"], draft, target, locate_gguf(name))
+    with folder:
+        plain, dflash = peers.measure_peers(engines, prompts, tokenizer, max_new_tokens=64)
+    assert plain.tokens_per_s > 0 and dflash.tokens_per_s > 0 and dflash.mean_accepted_length > 1.2
+    assert (plain.mode, dflash.mode, dflash.prompts, dflash.agrees_with_plain in (0, 1)) == (
+        "plain",
+        "dflash",
+        1,
+        True,
+    )

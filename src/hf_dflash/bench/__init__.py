@@ -3,8 +3,8 @@
 The modules, by job: `config` (method names, `BenchmarkConfig`), `methods` (the decoding paths compared),
 `statistics` (medians, speedups, summaries), `harness` (`run_benchmark`: prompts, warm-up, timed runs, batched
 throughput), `draft_step` (the draft's step time), `report` (the report's dataclasses, their JSON form,
-`render_table`, `failures`), `plot` (`save_plot`) and `paths` (one prompt by the three paths, what `hf-dflash demo`
-shows).
+`render_table`, `failures`), `plot` (`save_plot`), `paths` (one prompt by the three paths, what `hf-dflash demo`
+shows) and `peers` (serving engines on the same prompts, plain and with the drafter).
 """
 
 from hf_dflash.bench.config import ALL_METHODS, BenchmarkConfig, BenchmarkPrompt
@@ -20,6 +20,7 @@ from hf_dflash.bench.report import (
     DraftStepTime,
     MethodSummary,
     Mismatch,
+    PeerRow,
     PromptRecord,
     PromptRun,
     SpeculativeStatsSummary,
@@ -41,6 +42,7 @@ __all__ = [
     "MethodSummary",
     "Mismatch",
     "PathComparison",
+    "PeerRow",
     "PromptRecord",
     "PromptRun",
     "SpeculativeStatsSummary",

@@ -56,6 +56,8 @@ class BenchmarkConfig:
     batch_sizes: tuple[int, ...] = (1, 4, 8)  # empty: skip the batched-throughput comparison
     verify_costs: str | None = "auto"  # `ours`, `assisted`: "auto" verifies what pays (decoding.policy); None: all
     progress: bool = True
+    peers: tuple[str, ...] = ()  # serving engines also run on the prompts, plain and with the drafter (bench.peers)
+    peer_target_gguf: str | None = None  # the target's GGUF, for the llama.cpp peer
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ Design:
 - `tokens_per_target_forward` counts the target's top-level forward calls with a hook (prefill included); every
   `speculative_generate` method also reports tau and its histogram, verified nodes per round, tree rounds and plain
   steps;
-- two optional sub-benchmarks: the draft's forward + LM head time per block size (`bench.draft_step`), and batched
+- optional sub-benchmarks: the draft's forward + LM head time per block size (`bench.draft_step`), batched
   throughput of `speculative_generate` (its planner's costs measured at each batch size) vs `target.generate` on
-  left-padded batches; one that raises is recorded as a `SubBenchmarkError` so the main results survive;
+  left-padded batches, and serving engines on the same prompts plain and with the drafter (`bench.peers`); one that
+  raises is recorded as a `SubBenchmarkError` so the main results survive;
 - `report.failures` lists every failed method, mismatch and failed sub-benchmark: the run passes when it is empty.
 
 `run_benchmark` returns a `BenchmarkReport` (`bench.report`; `to_json()` is the file `hf-dflash bench` writes);
@@ -59,6 +60,7 @@ from hf_dflash.bench.methods import (
     plain_thread_methods,
     plain_threads_name,
 )
+from hf_dflash.bench.peers import build_peers, measure_peers
 from hf_dflash.bench.report import (
     BatchThroughput,
     BenchmarkReport,
@@ -66,6 +68,7 @@ from hf_dflash.bench.report import (
     DatasetSummary,
     DraftStepTime,
     Mismatch,
+    PeerRow,
     PromptRecord,
     SubBenchmarkError,
     batch_mismatches,
@@ -369,9 +372,10 @@ def _run_sub_benchmarks(
     prompts: Sequence[BenchmarkPrompt],
     generation_kwargs: dict[str, Any],
     preparation: CPUPreparation | None,
+    tokenizer: Any,
 ) -> None:
-    """The draft-step timing and batched throughput into `report`; they must never cost the main results: a failure
-    is recorded in the report instead."""
+    """The draft-step timing, batched throughput and serving engines into `report`; they must never cost the main
+    results: a failure is recorded in the report instead."""
     if config.draft_block_sizes:
         report.draft_forward = _recorded_failure(_draft_step_times)(target, draft, config)
     if config.batch_sizes:
@@ -386,6 +390,17 @@ def _run_sub_benchmarks(
             config.verify_costs,
             preparation,
         )
+    if config.peers:
+        report.peers = _recorded_failure(_peer_rows)(config, target, draft, tokenizer, prompts)
+
+
+def _peer_rows(
+    config: BenchmarkConfig, target: PreTrainedModel, draft: PreTrainedModel, tokenizer: Any, prompts
+) -> list[PeerRow]:
+    """`config.peers` run on the prompts (`bench.peers`), their exports removed afterwards."""
+    engines, folder = build_peers(config.peers, draft, target, config.peer_target_gguf)
+    with folder:
+        return measure_peers(engines, prompts, tokenizer, config.max_new_tokens)
 
 
 def run_benchmark(
@@ -450,7 +465,7 @@ def run_benchmark(
         per_prompt=per_prompt,
     )
     stock = preparation if STOCK_BASELINE in baselines else None  # batched stock plain too, unless it failed
-    _run_sub_benchmarks(report, config, target, draft, prompts, generation_kwargs, stock)
+    _run_sub_benchmarks(report, config, target, draft, prompts, generation_kwargs, stock, tokenizer)
     crashed = isinstance(report.batch, SubBenchmarkError)  # the batched path ran, but its outputs were never compared
     report.identical = not (failed or mismatches or batch_mismatches(report) or crashed)
     report.failures = failures(report)

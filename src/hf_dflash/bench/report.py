@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from hf_dflash.bench.config import BASELINE, CORE_METHODS, BenchmarkConfig
 
-SUB_BENCHMARKS = ("draft_forward", "batch")  # report keys: a list of results, or {"error": ...} if it raised
+SUB_BENCHMARKS = ("draft_forward", "batch", "peers")  # report keys: a list of results, or {"error": ...} if it raised
 SHOWN_COST_POINTS = (1, 2, 4, 8, 16, 17, 32)  # the cost curve's points `render_table` prints
 
 
@@ -212,6 +212,24 @@ class BatchThroughput(_Record):
 
 
 @dataclass(kw_only=True)
+class PeerRow(_Record):
+    """A serving engine on one dataset's prompts, plain or with the drafter (`bench.peers`): the engine's own
+    tokens/s (median over prompts), and for DFlash its mean accepted length and how many texts agree with its plain
+    ones."""
+
+    _optional = frozenset({"mean_accepted_length", "agrees_with_plain"})
+
+    engine: str
+    mode: str  # "plain" or "dflash"
+    weights: str
+    dataset: str
+    prompts: int
+    tokens_per_s: float
+    mean_accepted_length: float | None = None
+    agrees_with_plain: int | None = None
+
+
+@dataclass(kw_only=True)
 class SubBenchmarkError(_Record):
     """A sub-benchmark that raised, in its place in the report."""
 
@@ -280,7 +298,9 @@ class BenchmarkReport(_Record):
     """The whole report of `run_benchmark`. `identical`: every path matched plain decoding (batched ones included) and
     nothing failed; `failures`: why not, one line each."""
 
-    _optional = frozenset({"baselines", "skipped_methods", "stock_differences", "draft_forward", "batch", "failures"})
+    _optional = frozenset(
+        {"baselines", "skipped_methods", "stock_differences", "draft_forward", "batch", "peers", "failures"}
+    )
     _readers = {
         "conditions": Conditions.from_json,
         "config": _config,
@@ -291,6 +311,7 @@ class BenchmarkReport(_Record):
         "per_prompt": lambda table: {prompt: _dict_of(PromptRun)(runs) for prompt, runs in table.items()},
         "draft_forward": _sub_benchmark(DraftStepTime),
         "batch": _sub_benchmark(BatchThroughput),
+        "peers": _sub_benchmark(PeerRow),
     }
 
     conditions: Conditions
@@ -307,6 +328,7 @@ class BenchmarkReport(_Record):
     per_prompt: dict[str, dict[str, PromptRun]]
     draft_forward: list[DraftStepTime] | SubBenchmarkError | None = None
     batch: list[BatchThroughput] | SubBenchmarkError | None = None
+    peers: list[PeerRow] | SubBenchmarkError | None = None
     identical: bool = False
     failures: list[str] | None = None
 
@@ -412,6 +434,14 @@ def _sub_benchmark_lines(report: BenchmarkReport) -> list[str]:
                 f"tok/s, x{r.speedup:.2f}, tau {_fmt(r.tau)}, {r.tree_rounds} tree rounds, "
                 f"{r.plain_steps} plain steps, identical {r.identical}"
             )
+    if isinstance(report.peers, list):
+        lines += ["", "serving engines on the same prompts (their own tok/s figure and weights):"]
+        for r in report.peers:
+            line = f"  {r.dataset:10s} {r.engine} {r.mode:6s} ({r.weights}): {r.tokens_per_s:.1f} tok/s"
+            if r.mode == "dflash":
+                line += f", accepted length {_fmt(r.mean_accepted_length)}, "
+                line += f"text agrees with its plain on {r.agrees_with_plain}/{r.prompts}"
+            lines.append(line)
     return lines
 
 
@@ -456,6 +486,7 @@ __all__ = [
     "DraftStepTime",
     "MethodSummary",
     "Mismatch",
+    "PeerRow",
     "PromptRecord",
     "PromptRun",
     "SpeculativeStatsSummary",

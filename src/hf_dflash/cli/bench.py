@@ -49,6 +49,18 @@ def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
         help="`ours` and `assisted`: plan each round from the target's measured forward costs (auto: a tree, a chain "
         "or a plain step) or verify every proposal (all); ours_chain always plans from the measured costs",
     )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        choices=["llama.cpp"],
+        help="serving engines also run on the prompts, plain and with the drafter (needs scripts/install_engines.sh)",
+    )
+    parser.add_argument(
+        "--peer_target_gguf",
+        default=None,
+        help="the target's GGUF for the llama.cpp peer (default for a packaged target: its package's GGUF)",
+    )
     add_cpu_kernel_flag(parser)
     parser.add_argument("--output", default="bench.json", help="JSON report")
     parser.add_argument("--plot", default=None, help="PNG plot; default: next to --output")
@@ -102,7 +114,18 @@ def benchmark_config(args: argparse.Namespace):
         draft_block_sizes=tuple(args.draft_block_sizes),
         batch_sizes=tuple(args.batch_sizes),
         verify_costs="auto" if args.verify == "auto" else None,
+        peers=tuple(args.peers),
+        peer_target_gguf=_peer_target_gguf(args),
     )
+
+
+def _peer_target_gguf(args: argparse.Namespace) -> str | None:
+    """`--peer_target_gguf`, or a packaged target's own GGUF when llama.cpp is a peer."""
+    from hf_dflash.targets import KNOWN_TARGETS, locate_gguf
+
+    if args.peer_target_gguf or "llama.cpp" not in args.peers or args.target not in KNOWN_TARGETS:
+        return args.peer_target_gguf
+    return str(locate_gguf(args.target))
 
 
 def run(args: argparse.Namespace) -> int:
