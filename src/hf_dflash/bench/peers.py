@@ -137,7 +137,11 @@ def build_peers(
     if "llama.cpp" in names and target_gguf is None:
         raise ValueError("The llama.cpp peer runs the target's GGUF: pass it (--peer_target_gguf FILE).")
     folder = tempfile.TemporaryDirectory(prefix="hf-dflash-peers-")
-    engines = [llama_cpp_peer(draft, target, target_gguf, folder.name)] if "llama.cpp" in names else []
+    try:
+        engines = [llama_cpp_peer(draft, target, target_gguf, folder.name)] if "llama.cpp" in names else []
+    except BaseException:
+        folder.cleanup()  # a failed export leaves nothing behind
+        raise
     return engines, folder
 
 

@@ -254,7 +254,7 @@ def _to_prompt(value: str | list[dict], prompt_id: str, source: str) -> Prompt |
     for message in value:
         role = message.get("role") or message.get("from")  # `or`: Arrow fills a missing struct field with None
         content = message.get("content")
-        content = message.get("value") if content is None else content  # Arrow fills a missing field with None
+        content = message.get("value") if content is None else content  # "" stays "": an empty turn, not a missing one
         messages.append({"role": roles.get(role, role), "content": content or ""})
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last_user is None:
