@@ -347,6 +347,12 @@ def test_prompts_from_dataset_and_jsonl_cut_chats_after_the_last_user_turn(tmp_p
     assert prompts[0].messages == chat[:2] and prompts[1].messages == [{"role": "user", "content": "Hello"}]
     strings = prompts_from_dataset(datasets.Dataset.from_dict({"prompt": ["x", "y"]}), column="prompt")
     assert [(p.id, p.messages[0]["content"]) for p in strings] == [("dataset/0", "x"), ("dataset/1", "y")]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(
+        '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}, '
+        '{"role": "user", "content": "And?"}]}\n'
+    )
+    assert [m["content"] for m in prompts_from_jsonl(empty)[0].messages] == ["Hi", "", "And?"]  # "", not None
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: a prompt line needs"):
