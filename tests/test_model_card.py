@@ -190,6 +190,26 @@ def test_quick_start_renders_prompts_as_the_drafter_was_trained(tokenizer_templa
     assert f"| Chat template | {row} |" in section(text, "Training")
 
 
+ENGINE = {
+    "mean_accepted_length": 1.5834,
+    "hf_dflash_tau": 1.6266,
+    "plain_tokens_per_s": 54.397,
+    "dflash_tokens_per_s": 28.73,
+    "conditions": "25 prompts, 2 threads",
+    "command": "python benchmarks/scripts/engine_parity.py",
+}
+
+
+def test_engine_measurements_are_a_table_beside_the_serving_commands():
+    text = render_model_card(filled_info(engines={"llama.cpp": ENGINE})).text
+    serving = section(text, "Serving with vLLM, SGLang and llama.cpp")
+    row = "| llama.cpp | 1.58 | 1.63 | 54.4 | 28.7 | 25 prompts, 2 threads | `python benchmarks/scripts/engine_parity.py` |"
+    assert row in serving
+    assert "| engine |" not in render_model_card(filled_info()).text  # nothing measured: no table
+    with pytest.raises(ValueError, match="needs numbers for mean_accepted_length"):
+        render_model_card(filled_info(engines={"llama.cpp": ENGINE | {"dflash_tokens_per_s": None}}))
+
+
 def test_without_measurements_no_numbers_are_made_up():
     text = render_model_card(filled_info(acceptance={}, training={}, drafter_repo_id=None)).text
     acceptance = section(text, "Acceptance length")

@@ -68,6 +68,8 @@ class DrafterCardInfo:
     `wall_time` (text) or `wall_time_s` (seconds), `machine`, `held_out_tau_by_step` (`[[step, tau], ...]`, what
     the trainer measured on held-out prompts while training); other keys are listed under their own name.
     `acceptance` maps a dataset name to `{"tau": float, "speedup": float | None, "conditions": str}`.
+    `engines` maps a serving engine to what running this drafter in it measured: `{"mean_accepted_length",
+    "hf_dflash_tau"` (on the same prompts), `"plain_tokens_per_s", "dflash_tokens_per_s", "conditions", "command"}`.
     """
 
     base_model: str  # the target: a Hub repo id (goes into the metadata) or a name
@@ -92,6 +94,7 @@ class DrafterCardInfo:
     input_embedding_scale: float | None = None
     training: dict[str, Any] = field(default_factory=dict)
     acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
     datasets: list[str] = field(default_factory=list)  # dataset repo ids for the metadata
     extra_tags: list[str] = field(default_factory=list)
 
@@ -145,7 +148,26 @@ def render_model_card(info: DrafterCardInfo) -> ModelCard:
         serving_notes=_serving_notes(info),
         training_rows=_training_rows(info),
         acceptance_rows=_acceptance_rows(info.acceptance),
+        engine_rows=_engine_rows(info.engines),
     )
+
+
+def _engine_rows(engines: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
+    """(engine, accepted length, hf-dflash tau, plain tok/s, DFlash tok/s, conditions, command) per measured engine."""
+    rows = []
+    for engine, measured in engines.items():
+        numbers = [
+            measured.get(key)
+            for key in ("mean_accepted_length", "hf_dflash_tau", "plain_tokens_per_s", "dflash_tokens_per_s")
+        ]
+        if not all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in numbers):
+            raise ValueError(
+                f"The {engine} measurement needs numbers for mean_accepted_length, hf_dflash_tau, plain_tokens_per_s "
+                f"and dflash_tokens_per_s; got {measured!r}."
+            )
+        texts = [f"{numbers[0]:.2f}", f"{numbers[1]:.2f}", f"{numbers[2]:.1f}", f"{numbers[3]:.1f}"]
+        rows.append((engine, *texts, measured.get("conditions", ""), measured.get("command", "")))
+    return rows
 
 
 def _loadable_reference(adapter: str | None) -> str:
