@@ -1,12 +1,12 @@
-"""Serving engines: what llama.cpp is asked and how its answers are read (fast, on a stand-in source tree and
-recorded logs), and the committed SmolLM2 drafter run by llama.cpp itself (slow; needs
-`bash scripts/install_engines.sh`)."""
+"""Serving engines: what llama.cpp and OpenVINO GenAI are asked and how their answers are read (fast, on stand-in
+installs and recorded output), and the committed SmolLM2 drafter run by each engine itself (slow; needs
+`bash scripts/install_engines.sh [--openvino]`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_dflash.engines import llama_cpp
+from hf_dflash.engines import llama_cpp, openvino
 
 # What llama-speculative-simple -lv 4 printed for the committed drafter (2026-12-05), shortened.
 SPECULATIVE_LOG = """\
@@ -121,7 +121,195 @@ def test_an_unknown_engine_or_a_llama_cpp_export_without_the_target_gguf_is_refu
 
     target = make_target("qwen3")
     draft = make_draft(target, block_size=4)
-    with pytest.raises(ValueError, match="Unknown engine 'openvino'; hf-dflash exports for llama.cpp, vllm, sglang"):
-        export_for_engine(draft, target, "openvino", tmp_path / "a", target_id="t")
+    unknown = "Unknown engine 'tgi'; hf-dflash exports for llama.cpp, openvino, vllm, sglang"
+    with pytest.raises(ValueError, match=unknown):
+        export_for_engine(draft, target, "tgi", tmp_path / "a", target_id="t")
     with pytest.raises(ValueError, match="llama.cpp needs the target's GGUF"):
         export_for_engine(draft, target, "llama.cpp", tmp_path / "b", target_id="t")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# OpenVINO GenAI
+# ---------------------------------------------------------------------------------------------------------------------
+
+# What openvino_runner.py printed for the committed drafter on gsm8k/1 (2026-12-05), ids shortened to the first 9.
+RUNNER_REPORT = {
+    "openvino_genai": "2026.4.1.0",
+    "device": "CPU",
+    "properties": {"INFERENCE_NUM_THREADS": 2},
+    "device_defaults": {"INFERENCE_PRECISION_HINT": "<Type: 'float32'>", "KV_CACHE_PRECISION": "<Type: 'uint8_t'>"},
+    "runs": [
+        {
+            "prompt_tokens": 56,
+            "token_ids": [504, 3437, 314, 216, 34, 1659, 216, 33, 30],
+            "text": "The answer is 2 * 1.",
+            "new_tokens": 9,
+            "target_steps": 3,
+            "step_tokens": [1, 7, 1],
+            "accepted_tokens": 6,
+            "tokens_per_s": 61.5,
+        }
+    ],
+}
+
+
+def fake_openvino_venv(tmp_path, marker: bool = True):
+    venv = tmp_path / "openvino-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    if marker:
+        (venv / openvino.MARKER).write_text("pins")
+    return venv
+
+
+def fake_ir(tmp_path, *models: str):
+    for name in models:
+        (tmp_path / "ir" / name).mkdir(parents=True)
+        (tmp_path / "ir" / name / "openvino_model.xml").write_text("<net/>")
+    return tmp_path / "ir"
+
+
+def test_a_missing_or_half_built_openvino_venv_names_the_install_command(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match=r"bash scripts/install_engines.sh --openvino"):
+        openvino.find_openvino(tmp_path / "nothing")
+    half_built = fake_openvino_venv(tmp_path, marker=False)  # install_engines.sh writes the marker last
+    with pytest.raises(FileNotFoundError, match="not installed"):
+        openvino.find_openvino(half_built)
+    (half_built / openvino.MARKER).write_text("pins")
+    assert openvino.find_openvino(half_built).python == half_built / "bin" / "python"
+    monkeypatch.setenv("HF_DFLASH_ENGINES", str(tmp_path))  # the same engines folder rule as llama.cpp
+    assert openvino.find_openvino().venv == half_built
+
+
+def test_the_runner_request_is_checked_before_the_venv_runs(tmp_path):
+    ir = fake_ir(tmp_path, "target")
+    run = {"max_new_tokens": 8, "block_size": 8}
+    request = openvino.runner_request(ir, [(1, 2, 3), "<|im_start|>user"], with_draft=False, **run)
+    assert request["prompts"] == [[1, 2, 3], "<|im_start|>user"] and request["with_draft"] is False
+    assert request["properties"] == {} and request["threads"] == 2
+    with pytest.raises(FileNotFoundError, match="has no draft IR: write it with `export_openvino`"):
+        openvino.runner_request(ir, [[1]], with_draft=True, **run)
+    with pytest.raises(ValueError, match="No prompts"):
+        openvino.runner_request(ir, [], with_draft=False, **run)
+    for bad in ([], [1.5], [True, 2]):
+        with pytest.raises(ValueError, match="non-empty list of token ids"):
+            openvino.runner_request(ir, [bad], with_draft=False, **run)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        openvino.runner_request(ir, [[1]], with_draft=False, max_new_tokens=0, block_size=8)
+    ir = fake_ir(tmp_path, "draft")
+    for block_size in (None, 1):
+        with pytest.raises(ValueError, match="DFlash needs the drafter's block size"):
+            openvino.runner_request(ir, [[1]], with_draft=True, max_new_tokens=8, block_size=block_size)
+    with pytest.raises(ValueError, match="`paged` is for plain decoding"):
+        openvino.runner_request(ir, [[1]], with_draft=True, paged=True, **run)
+
+
+def test_the_runner_report_is_read_with_target_steps_and_mean_accepted_length():
+    import json
+
+    log = "openvino_runner: prompt 1/1 done\n"
+    (run,) = openvino.parse_runner_report(log + json.dumps(RUNNER_REPORT) + "\n", expected=1)
+    assert (run.new_tokens, run.target_steps, run.accepted_tokens, run.drafted_steps) == (9, 3, 6, 2)
+    assert run.mean_accepted_length == 4.0  # (9 - the prompt step's 1 token) / 2 drafted steps, as tau counts
+    assert run.text.startswith("The answer")
+    plain = json.loads(json.dumps(RUNNER_REPORT))
+    plain["runs"][0] |= {
+        "token_ids": [504],
+        "new_tokens": 1,
+        "target_steps": 1,
+        "step_tokens": [1],
+        "accepted_tokens": 0,
+    }
+    assert openvino.parse_runner_report(json.dumps(plain))[0].mean_accepted_length is None  # nothing drafted
+
+
+@pytest.mark.parametrize(
+    "stdout, message",
+    [
+        ("", "printed no report"),
+        ("Traceback (most recent call last):", "last line is not JSON"),
+        ('{"runs": "none"}', "printed no report with runs"),
+        ('{"runs": [{"text": "hi"}]}', "run 0 lacks token_ids, new_tokens"),
+    ],
+)
+def test_a_broken_runner_report_is_refused(stdout, message):
+    with pytest.raises(RuntimeError, match=message):
+        openvino.parse_runner_report(stdout)
+
+
+def test_a_runner_report_whose_counts_disagree_is_refused():
+    import json
+
+    report = json.loads(json.dumps(RUNNER_REPORT))
+    report["runs"][0]["step_tokens"] = [1, 7]  # 8 tokens in 2 steps, but it says 9 in 3
+    with pytest.raises(RuntimeError, match="9 new tokens in 3 steps, but the per-step counts sum to 8 over 2"):
+        openvino.parse_runner_report(json.dumps(report))
+    with pytest.raises(RuntimeError, match="reported 1 runs for 2 prompts"):
+        openvino.parse_runner_report(json.dumps(RUNNER_REPORT), expected=2)
+
+
+def test_drafters_openvino_would_run_unlike_their_training_are_refused_by_reason(tmp_path):
+    from helpers import make_draft, make_target
+
+    target = make_target("llama")
+    assert openvino.unsupported_draft_reason(make_draft(target).config) is None
+    scaled = make_draft(target, input_embedding_scale=8.0)
+    assert "embedding rows by 8" in openvino.unsupported_draft_reason(scaled.config)
+    causal = make_draft(
+        target, layer_types=["sliding_attention", "full_attention"], sliding_window=4, causal_sliding_attention=True
+    )
+    assert "attend causally inside the block" in openvino.unsupported_draft_reason(causal.config)
+    with pytest.raises(ValueError, match="cannot serve this drafter as trained: the target scales"):
+        openvino.export_openvino(scaled, tmp_path, tmp_path / "out")  # refused before the venv is looked for
+
+
+def test_an_openvino_export_writes_the_settings_genai_needs_to_serving_json(tmp_path, monkeypatch):
+    import json
+
+    from helpers import make_draft, make_target
+
+    from hf_dflash.engines.export import export_for_engine
+
+    exported = []
+    monkeypatch.setattr(openvino, "export_openvino", lambda draft, folder, output: exported.append((folder, output)))
+    target = make_target("llama")
+    draft = make_draft(target, block_size=6)
+    with pytest.raises(ValueError, match="OpenVINO needs the target's transformers folder"):
+        export_for_engine(draft, target, "openvino", tmp_path / "a", target_id="t")
+    recipe = export_for_engine(draft, target, "openvino", tmp_path / "out", target_id="t", target_folder="tgt")
+    assert exported == [("tgt", tmp_path / "out")]
+    written = json.loads((tmp_path / "out" / "serving.json").read_text())
+    assert written["settings"] == {"scheduler_config.enable_prefix_caching": False, "num_assistant_tokens": 5}
+    assert written["engine"] == "openvino" and written["tested_here"] is True
+    assert written["draft"] == str(tmp_path / "out" / "draft") and written["block_size"] == 6
+    command = recipe.commands[0]
+    assert "s.enable_prefix_caching = False" in command and "c.num_assistant_tokens = 5" in command
+    assert f"g.draft_model('{tmp_path / 'out'}/draft', 'CPU')" in command
+
+
+@pytest.mark.slow
+def test_openvino_runs_the_committed_drafter_with_a_mean_accepted_length_above_1_2(tmp_path, record_property):
+    """The committed SmolLM2 drafter exported to OpenVINO IR and run by GenAI's DFlash pipeline on two GSM8K prompts,
+    greedy: GenAI's mean accepted length (tokens per drafted target step) is above 1.2."""
+    try:
+        engine = openvino.find_openvino()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    from hf_dflash import loading
+    from hf_dflash.data.chat import encode_prompt
+    from hf_dflash.data.prompts import load_prompts
+    from hf_dflash.targets import converted_target_folder
+
+    name = "smollm2-135m-instruct"
+    target, tokenizer = loading.load_target_and_tokenizer(name, device="cpu", dtype="float32")
+    draft = loading.load_draft(loading.committed_drafter(name), target)
+    ir = openvino.export_openvino(draft, converted_target_folder(name), tmp_path / "ir", openvino=engine)
+    prompts = [encode_prompt(tokenizer, prompt) for prompt in load_prompts("gsm8k", limit=2)]
+    runs = openvino.run_openvino(
+        ir, prompts, max_new_tokens=96, with_draft=True, block_size=draft.config.block_size, openvino=engine
+    )
+    committed = sum(run.new_tokens - run.step_tokens[0] for run in runs)
+    mean_accepted_length = committed / sum(run.drafted_steps for run in runs)
+    record_property("openvino_mean_accepted_length", mean_accepted_length)  # in the JUnit report (--junitxml)
+    assert all(run.accepted_tokens > 0 and run.text for run in runs)
+    assert mean_accepted_length > 1.2, f"GenAI's mean accepted length on 2 GSM8K prompts: {mean_accepted_length:.3f}"

@@ -1,10 +1,12 @@
 """`hf-dflash export`: a drafter written for one serving engine, with the commands that serve it.
 
     hf-dflash export --draft DIR --engine llama.cpp [--target smollm2-135m-instruct] --output OUT
+    hf-dflash export --draft DIR --engine openvino [--target smollm2-135m-instruct | FOLDER] --output OUT
     hf-dflash export --draft DIR --engine vllm|sglang --target HUB_ID_OR_FOLDER --output OUT
 
 `hf_dflash.engines.export.export_for_engine` does the work; llama.cpp needs its tools built
-(`bash scripts/install_engines.sh`) and the target's GGUF: a packaged target's own, or `--target_gguf`.
+(`bash scripts/install_engines.sh`) and the target's GGUF: a packaged target's own, or `--target_gguf`; OpenVINO its
+venv (`bash scripts/install_engines.sh --openvino`) and the target's transformers folder (a packaged target's own).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
     """Add the `export` command's parser to `subparsers` and return it."""
     from hf_dflash.engines.export import ENGINES
 
-    parser = subparsers.add_parser("export", help="write a drafter for a serving engine (llama.cpp, vLLM, SGLang)")
+    parser = subparsers.add_parser(
+        "export", help="write a drafter for a serving engine (llama.cpp, OpenVINO, vLLM, SGLang)"
+    )
     add_target_flags(parser)
     add_draft_flags(parser)
     parser.add_argument("--engine", required=True, choices=ENGINES)
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_dflash import loading
     from hf_dflash.engines.export import export_for_engine
 
-    engine_target = _llama_cpp_target(args) if args.engine == "llama.cpp" else {}  # refused before anything loads
+    engine_target = _engine_target(args)  # a missing engine or target file is refused before anything loads
     target, _ = loading.load_target_from_arguments(target_arguments(args))
     draft = loading.load_draft(args.draft, target, revision=args.draft_revision, base_draft=args.base_draft)
     try:
@@ -56,6 +60,23 @@ def run(args: argparse.Namespace) -> int:
         print(command)
     print(json.dumps({"engine": recipe.engine, "draft": recipe.draft, "serving": f"{args.output}/serving.json"}))
     return 0
+
+
+def _engine_target(args: argparse.Namespace) -> dict:
+    """What the engine needs of the target beyond the loaded model (llama.cpp, OpenVINO), checked up front."""
+    if args.engine == "llama.cpp":
+        return _llama_cpp_target(args)
+    if args.engine == "openvino":
+        from hf_dflash.engines.openvino import find_openvino
+        from hf_dflash.targets import KNOWN_TARGETS, converted_target_folder
+
+        try:
+            find_openvino()
+        except FileNotFoundError as error:
+            raise SystemExit(f"hf-dflash export: error: {error}") from None
+        known = args.target in KNOWN_TARGETS
+        return {"target_folder": converted_target_folder(args.target) if known else args.target}
+    return {}
 
 
 def _llama_cpp_target(args: argparse.Namespace) -> dict:

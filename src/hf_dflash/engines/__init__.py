@@ -1,2 +1,3 @@
 """Serving engines that run DFlash drafters on a CPU, driven through their own programs: `llama_cpp` (export to
-GGUF, run, measure). Built outside the repository by `scripts/install_engines.sh`."""
+GGUF, run, measure) and `openvino` (export to OpenVINO IR, run GenAI's pipeline in the engine's own venv). Built
+outside the repository by `scripts/install_engines.sh [--openvino]`."""

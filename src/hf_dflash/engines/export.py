@@ -2,28 +2,30 @@
 
 - `llama.cpp`: `draft.gguf` through llama.cpp's own converter (`llama_cpp.export_draft_gguf`; the reduced draft
   vocabulary is kept unless `full_vocabulary`), served with the target's GGUF and `--spec-draft-n-max B-1`.
+- `openvino`: `target/` and `draft/` IR through optimum-intel (`openvino.export_openvino`, always the full
+  vocabulary), served by OpenVINO GenAI's `LLMPipeline` with prefix caching off and `num_assistant_tokens B-1`.
 - `vllm`: the z-lab folder (`save_pretrained(layout="z-lab")`, reduced vocabulary with `d2t`), `num_speculative_tokens
   B-1`.
 - `sglang`: the same folder (SGLang drafts over the target's head and ignores `d2t`), `--speculative-num-draft-tokens B`.
 
-Each export also writes `serving.json`: the engine, the draft's block size and tapped target layers, and the commands.
-vLLM and SGLang were not run here (no GPU); their commands come from their loaders and docs. llama.cpp's are the
-ones `benchmarks/scripts/engine_parity.py` runs.
+Each export also writes `serving.json`: the engine, the draft's block size and tapped target layers, the commands and
+the engine settings they rely on. vLLM and SGLang were not run here (no GPU); their commands come from their loaders
+and docs. llama.cpp's and OpenVINO's are the ones `benchmarks/scripts/engine_parity*.py` run.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from transformers import PreTrainedModel
 
 from hf_dflash.atomic_files import write_text_atomic
-from hf_dflash.engines import llama_cpp
+from hf_dflash.engines import llama_cpp, openvino
 
-ENGINES = ("llama.cpp", "vllm", "sglang")
+ENGINES = ("llama.cpp", "openvino", "vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class ServingRecipe:
     target_layer_ids: list[int]
     commands: list[str]
     tested_here: bool  # whether this machine ran the engine on such an export
+    settings: dict = field(default_factory=dict)  # engine settings the commands rely on
 
     def write(self, folder: str | os.PathLike) -> Path:
         return write_text_atomic(Path(folder) / "serving.json", json.dumps(asdict(self), indent=1) + "\n")
@@ -56,7 +59,9 @@ def export_for_engine(
 
     Args:
         target_id: how the engine names the target (a Hub id or folder for vLLM/SGLang).
-        target_folder, target_gguf: llama.cpp only: the target's transformers folder (its tokenizer) and GGUF.
+        target_folder: llama.cpp: the target's transformers folder (its tokenizer); OpenVINO: the folder (or Hub id)
+            optimum-cli exports the target from.
+        target_gguf: llama.cpp only: the target's GGUF.
         full_vocabulary: export no reduced draft vocabulary (the draft then uses the target's head).
     """
     if engine not in ENGINES:
@@ -73,6 +78,13 @@ def export_for_engine(
         common = f"-m {target_gguf} -md {gguf} --spec-type draft-dflash --spec-draft-n-max {block_size - 1}"
         commands = [f"llama-server {common} --jinja", f"llama-speculative-simple {common} -p PROMPT --temp 0"]
         recipe = ServingRecipe(engine, str(gguf), block_size, layers, commands, tested_here=True)
+    elif engine == "openvino":
+        if target_folder is None:
+            raise ValueError("OpenVINO needs the target's transformers folder (or Hub id) to export it to IR.")
+        openvino.export_openvino(draft, target_folder, output)
+        settings = {"scheduler_config.enable_prefix_caching": False, "num_assistant_tokens": block_size - 1}
+        commands = [_openvino_command(output, block_size)]
+        recipe = ServingRecipe(engine, str(output / "draft"), block_size, layers, commands, True, settings)
     else:
         head_source = None if full_vocabulary else target  # the reduced head's rows come from the target's head
         draft.save_pretrained(output, layout="z-lab", target=head_source, full_vocabulary=full_vocabulary)
@@ -80,6 +92,16 @@ def export_for_engine(
         recipe = ServingRecipe(engine, str(output), block_size, layers, [command], tested_here=False)
     recipe.write(output)
     return recipe
+
+
+def _openvino_command(folder: Path, block_size: int) -> str:
+    """Python run in the OpenVINO venv: GenAI's pipeline with the drafter (it refuses DFlash with prefix caching on)."""
+    return (
+        'python -c "import openvino_genai as g; s = g.SchedulerConfig(); s.enable_prefix_caching = False; '
+        f"p = g.LLMPipeline('{folder}/target', 'CPU', draft_model=g.draft_model('{folder}/draft', 'CPU'), "
+        f"scheduler_config=s); c = p.get_generation_config(); c.num_assistant_tokens = {block_size - 1}; "
+        "c.max_new_tokens = 256; print(p.generate('PROMPT', c))\""
+    )
 
 
 def _zlab_command(engine: str, target_id: str, folder: Path, block_size: int) -> str:
