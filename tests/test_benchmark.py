@@ -520,13 +520,15 @@ class _FakeEngine:
     def __init__(self):
         self.prompts = []
 
-    def plain(self, prompt, max_new_tokens):
-        self.prompts.append(prompt)
-        return EngineRun(text="ab\n", new_tokens=max_new_tokens, tokens_per_s=10.0 + len(self.prompts))
+    def plain(self, prompts, tokenizer, max_new_tokens):
+        self.prompts += peers.rendered_texts(prompts, tokenizer)
+        return [EngineRun("ab\n", max_new_tokens, 11.0 + i) for i in range(len(prompts))]
 
-    def dflash(self, prompt, max_new_tokens):
-        text = "ax" if "9" in prompt else "ab"
-        return EngineRun(text, max_new_tokens, 20.0, mean_accepted_length=2.0 + len(prompt) % 2, draft_passes=4)
+    def dflash(self, prompts, tokenizer, max_new_tokens):
+        return [
+            EngineRun("ax" if "9" in text else "ab", max_new_tokens, 20.0, 2.0 + len(text) % 2, draft_passes=4)
+            for text in peers.rendered_texts(prompts, tokenizer)
+        ]
 
 
 class _DigitTokenizer:
@@ -543,6 +545,7 @@ def test_peer_rows_reduce_each_engine_mode_and_dataset():
     assert sorted(by_key) == [("other", "dflash"), ("other", "plain"), ("toy", "dflash"), ("toy", "plain")]
     toy_plain, toy_dflash = by_key["toy", "plain"], by_key["toy", "dflash"]
     assert (toy_plain.prompts, toy_plain.tokens_per_s, toy_plain.mean_accepted_length) == (3, 12.0, None)
+    assert by_key["other", "plain"].tokens_per_s == 14.0  # each dataset reduces its own prompts' runs
     assert toy_dflash.agrees_with_plain == 2  # toy/1 holds token 9: its DFlash text parts from the plain one
     lengths = [2.0 + len(" ".join(str(i) for i in p.input_ids.tolist())) % 2 for p in PROMPTS[:3]]
     assert toy_dflash.mean_accepted_length == pytest.approx(sum(lengths) / 3, abs=1e-3)  # equal passes: the mean
@@ -579,9 +582,39 @@ def test_peers_run_in_the_benchmark_and_survive_its_report(target, draft, monkey
     assert "no engine" in failed.peers.error and "peers sub-benchmark failed" in " ".join(failed.failures)
 
 
+def test_an_engine_that_loses_runs_is_caught():
+    class Short(_FakeEngine):
+        def dflash(self, prompts, tokenizer, max_new_tokens):
+            return super().dflash(prompts, tokenizer, max_new_tokens)[:-1]
+
+    with pytest.raises(RuntimeError, match="answered 4 / 3 runs for 4 prompts"):
+        peers.measure_peers([Short()], PROMPTS, _DigitTokenizer(), max_new_tokens=12)
+
+
+def test_the_openvino_peer_runs_token_ids_with_an_f32_kv_cache_and_counts_drafted_steps(monkeypatch):
+    from hf_dflash.engines.openvino import OpenVinoRun
+
+    calls = []
+
+    def fake_run(ir, prompts, **kwargs):
+        calls.append((ir, prompts, kwargs))
+        return [OpenVinoRun([1, 2, 3, 4, 5], "text", 5, 3, [1, 2, 2], 2, 40.0) for _ in prompts]
+
+    monkeypatch.setattr(peers.openvino, "run_openvino", fake_run)
+    engine = peers.OpenVinoPeer(Path("ir"), block_size=8)
+    (plain,) = engine.plain(PROMPTS[:1], None, 5)
+    (dflash,) = engine.dflash(PROMPTS[:1], None, 5)
+    assert calls[0][1] == [PROMPTS[0].input_ids.tolist()] and calls[1][2]["with_draft"]
+    assert calls[1][2]["block_size"] == 8 and calls[1][2]["properties"] == {"KV_CACHE_PRECISION": "f32"}
+    assert (plain.mean_accepted_length, plain.draft_passes) == (None, None)
+    assert (dflash.mean_accepted_length, dflash.draft_passes, dflash.tokens_per_s) == (2.0, 2, 40.0)
+
+
 def test_peer_engines_refuse_what_they_cannot_run(target, draft):
     with pytest.raises(ValueError, match="Unknown peer engine"):
         peers.build_peers(["vllm"], draft, target, None)
+    with pytest.raises(ValueError, match="OpenVINO's exporter reads the target's own folder"):
+        peers.build_peers(["openvino"], draft, target, None)
     with pytest.raises(ValueError, match="--peer_target_gguf"):
         peers.build_peers(["llama.cpp"], draft, target, None)
     with pytest.raises(ValueError, match="load the target from a local folder"):
@@ -589,24 +622,27 @@ def test_peer_engines_refuse_what_they_cannot_run(target, draft):
 
 
 @pytest.mark.slow
-def test_llama_cpp_peer_rows_for_the_committed_drafter(tmp_path):
-    """`hf-dflash bench --peers llama.cpp` on one GSM8K prompt: the engine runs the packaged GGUF plain and with the
-    committed drafter at a real accepted length. Whether its DFlash text agrees with its plain text is recorded, not
-    asserted: llama.cpp's multi-token forwards differ from its one-token ones in the last bits (its n-gram
-    speculation parts from plain text as often, `benchmarks/results/engine_parity_llama_cpp.json`)."""
+@pytest.mark.parametrize("engine", ["llama.cpp", "openvino"])
+def test_peer_rows_for_the_committed_drafter(engine):
+    """`hf-dflash bench --peers ENGINE` on one GSM8K prompt: the engine runs the target plain and with the committed
+    drafter at a real accepted length. Whether its DFlash text agrees with its plain text is recorded, not asserted:
+    llama.cpp's multi-token forwards differ from its one-token ones in the last bits (its n-gram speculation parts from
+    plain text as often, `benchmarks/results/engine_parity_llama_cpp.json`)."""
     from hf_dflash import loading
-    from hf_dflash.engines import llama_cpp
+    from hf_dflash.engines import llama_cpp, openvino
     from hf_dflash.targets import locate_gguf
 
     try:
-        llama_cpp.find_llama_cpp().tool("llama-speculative-simple")
+        llama_cpp.find_llama_cpp().tool(
+            "llama-speculative-simple"
+        ) if engine == "llama.cpp" else openvino.find_openvino()
     except FileNotFoundError as error:
         pytest.skip(str(error))
     name = "smollm2-135m-instruct"
     target, tokenizer = loading.load_target_and_tokenizer(name, device="cpu", dtype="float32")
     draft = loading.load_draft(loading.committed_drafter(name), target)
     prompts = load_benchmark_prompts(tokenizer, ["gsm8k:1"], None)
-    engines, folder = peers.build_peers(["llama.cpp"], draft, target, locate_gguf(name))
+    engines, folder = peers.build_peers([engine], draft, target, locate_gguf(name))
     with folder:
         plain, dflash = peers.measure_peers(engines, prompts, tokenizer, max_new_tokens=64)
     assert plain.tokens_per_s > 0 and dflash.tokens_per_s > 0 and dflash.mean_accepted_length > 1.2

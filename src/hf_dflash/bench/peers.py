@@ -1,14 +1,17 @@
 """Peer rows: the same prompts through a serving engine, plain and with the same drafter, beside our paths.
 
-Design: an engine is a `PeerEngine` (`name`, the `weights` it runs, `plain` and `dflash` on one chat-rendered prompt
-text, each returning a `llama_cpp.EngineRun`); `measure_peers` runs every prompt through both modes of every engine
-and reduces them per dataset to `PeerRow`s, which the report keeps beside the timed methods (`report.peers`).
+Design: an engine is a `PeerEngine` (`name`, the `weights` it runs, `plain` and `dflash` over the benchmark's
+prompts, each returning one `llama_cpp.EngineRun` per prompt); `measure_peers` runs the prompts through both modes of
+every engine and reduces them per dataset to `PeerRow`s, which the report keeps beside the timed methods
+(`report.peers`). Two engines: `LlamaCppPeer` (its tools, one process per prompt, the prompt as chat-rendered text)
+and `OpenVinoPeer` (GenAI's pipeline in its own venv, one process for all prompts, the prompt's token ids).
 
-What a row measures is the engine's own: its tokens/s is the figure the engine prints for the generation (for
-llama.cpp's tools, the decode loop after the prompt is processed), the median over prompts; its mean accepted length
-is committed tokens over target steps, over all prompts (tau's definition); `agrees_with_plain` counts prompts where
-the engine's DFlash text agrees with its own plain text as far as both go (greedy decoding should change nothing).
-Engines run their own weights (llama.cpp: a GGUF), so their text may differ from ours; rows say which weights.
+What a row measures is the engine's own: its tokens/s is the figure the engine reports for the generation (llama.cpp's
+tools: the decode loop after the prompt is processed; GenAI: its throughput metric), the median over prompts; its
+mean accepted length is committed tokens over drafted target steps, over all prompts (tau's definition);
+`agrees_with_plain` counts prompts where the engine's DFlash text agrees with its own plain text as far as both go
+(greedy decoding should change nothing). Engines run their own weights (llama.cpp: a GGUF; OpenVINO: an IR), so their
+text may differ from ours; rows say which weights.
 """
 
 from __future__ import annotations
@@ -27,23 +30,26 @@ from transformers.utils import logging
 
 from hf_dflash.bench.config import BenchmarkPrompt
 from hf_dflash.bench.report import PeerRow
-from hf_dflash.engines import llama_cpp
+from hf_dflash.engines import llama_cpp, openvino
 from hf_dflash.engines.llama_cpp import EngineRun
 
 logger = logging.get_logger(__name__)
 
-PEER_ENGINES = ("llama.cpp",)
+PEER_ENGINES = ("llama.cpp", "openvino")
+# GenAI's default KV cache on CPU is u8, which flips near-ties between 8-token and one-token forwards; in f32 its DFlash
+# text equals its plain text (benchmarks/results/engine_parity_openvino.json).
+OPENVINO_PROPERTIES = {"KV_CACHE_PRECISION": "f32"}
 
 
 class PeerEngine(Protocol):
-    """A serving engine run on one prompt at a time: plain decoding and DFlash decoding with our drafter."""
+    """A serving engine: plain decoding and DFlash decoding with our drafter, one run per prompt."""
 
     name: str
     weights: str
 
-    def plain(self, prompt: str, max_new_tokens: int) -> EngineRun: ...
+    def plain(self, prompts: Sequence[BenchmarkPrompt], tokenizer, max_new_tokens: int) -> list[EngineRun]: ...
 
-    def dflash(self, prompt: str, max_new_tokens: int) -> EngineRun: ...
+    def dflash(self, prompts: Sequence[BenchmarkPrompt], tokenizer, max_new_tokens: int) -> list[EngineRun]: ...
 
 
 @dataclass(frozen=True)
@@ -60,18 +66,66 @@ class LlamaCppPeer:
     def weights(self) -> str:
         return self.target_gguf.name
 
-    def plain(self, prompt: str, max_new_tokens: int) -> EngineRun:
-        return llama_cpp.run_plain(self.target_gguf, prompt, max_new_tokens=max_new_tokens)
+    def plain(self, prompts: Sequence[BenchmarkPrompt], tokenizer, max_new_tokens: int) -> list[EngineRun]:
+        texts = rendered_texts(prompts, tokenizer)
+        return [llama_cpp.run_plain(self.target_gguf, text, max_new_tokens=max_new_tokens) for text in texts]
 
-    def dflash(self, prompt: str, max_new_tokens: int) -> EngineRun:
-        return llama_cpp.run_speculative(
-            self.target_gguf,
-            prompt,
+    def dflash(self, prompts: Sequence[BenchmarkPrompt], tokenizer, max_new_tokens: int) -> list[EngineRun]:
+        return [
+            llama_cpp.run_speculative(
+                self.target_gguf,
+                text,
+                max_new_tokens=max_new_tokens,
+                draft_tokens=self.block_size - 1,
+                draft_gguf=self.draft_gguf,
+                threads=self.threads,
+            )
+            for text in rendered_texts(prompts, tokenizer)
+        ]
+
+
+@dataclass(frozen=True)
+class OpenVinoPeer:
+    """OpenVINO GenAI's `LLMPipeline` on an `export_openvino` folder (fp32 IR, KV cache in f32), plain and with the
+    drafter (`num_assistant_tokens = block_size - 1`), all prompts in one process."""
+
+    ir: Path
+    block_size: int
+    threads: int = 2
+    name: str = "openvino"
+    weights: str = "IR fp32, KV cache f32"
+
+    def plain(self, prompts: Sequence[BenchmarkPrompt], tokenizer, max_new_tokens: int) -> list[EngineRun]:
+        return self._run(prompts, max_new_tokens, with_draft=False)
+
+    def dflash(self, prompts: Sequence[BenchmarkPrompt], tokenizer, max_new_tokens: int) -> list[EngineRun]:
+        return self._run(prompts, max_new_tokens, with_draft=True)
+
+    def _run(self, prompts: Sequence[BenchmarkPrompt], max_new_tokens: int, with_draft: bool) -> list[EngineRun]:
+        runs = openvino.run_openvino(
+            self.ir,
+            [prompt.input_ids.tolist() for prompt in prompts],
             max_new_tokens=max_new_tokens,
-            draft_tokens=self.block_size - 1,
-            draft_gguf=self.draft_gguf,
+            with_draft=with_draft,
+            block_size=self.block_size,
+            properties=OPENVINO_PROPERTIES,
             threads=self.threads,
         )
+        return [
+            EngineRun(
+                text=run.text,
+                new_tokens=run.new_tokens,
+                tokens_per_s=run.tokens_per_s,
+                mean_accepted_length=run.mean_accepted_length if with_draft else None,
+                draft_passes=run.drafted_steps if with_draft else None,
+            )
+            for run in runs
+        ]
+
+
+def rendered_texts(prompts: Sequence[BenchmarkPrompt], tokenizer) -> list[str]:
+    """The prompts as text with their special tokens (the chat template as rendered), for engines that tokenize."""
+    return [tokenizer.decode(prompt.input_ids, skip_special_tokens=False) for prompt in prompts]
 
 
 def llama_cpp_peer(
@@ -79,14 +133,26 @@ def llama_cpp_peer(
 ) -> LlamaCppPeer:
     """Export `draft` to a GGUF in `folder` (llama.cpp's converter, reduced vocabulary kept) for the target whose
     transformers folder `target` was loaded from and whose GGUF is `target_gguf`."""
-    target_folder = Path(target.config.name_or_path)
-    if not (target_folder / "config.json").is_file():
-        raise ValueError(
-            f"llama.cpp's converter reads the target's own folder, and {target.config.name_or_path!r} is none: load "
-            "the target from a local folder (or a packaged target) to compare with llama.cpp."
-        )
+    target_folder = _target_folder(target, "llama.cpp's converter")
     draft_gguf = llama_cpp.export_draft_gguf(draft, target, target_folder, target_gguf, Path(folder) / "draft.gguf")
     return LlamaCppPeer(Path(target_gguf), Path(draft_gguf), draft.config.block_size)
+
+
+def _target_folder(target: PreTrainedModel, reader: str) -> Path:
+    """The local folder `target` was loaded from, which an engine's exporter reads."""
+    folder = Path(target.config.name_or_path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"{reader} reads the target's own folder, and {target.config.name_or_path!r} is none: load the target "
+            "from a local folder (or a packaged target) to compare with that engine."
+        )
+    return folder
+
+
+def openvino_peer(draft: PreTrainedModel, target: PreTrainedModel, folder: str | os.PathLike) -> OpenVinoPeer:
+    """Export target and drafter to OpenVINO IR (fp32) in `folder/openvino` from the target's own folder."""
+    ir = openvino.export_openvino(draft, _target_folder(target, "OpenVINO's exporter"), Path(folder) / "openvino")
+    return OpenVinoPeer(ir, draft.config.block_size)
 
 
 def measure_peers(
@@ -95,15 +161,17 @@ def measure_peers(
     tokenizer,
     max_new_tokens: int,
 ) -> list[PeerRow]:
-    """Every prompt (rendered back to text with its special tokens) through each engine plain and with DFlash; one
-    `PeerRow` per engine, mode and dataset."""
+    """Every prompt through each engine plain and with DFlash; one `PeerRow` per engine, mode and dataset."""
     rows = []
     for engine in engines:
-        runs: dict[str, list[tuple[EngineRun, EngineRun]]] = defaultdict(list)
-        for prompt in prompts:
-            text = tokenizer.decode(prompt.input_ids, skip_special_tokens=False)
-            runs[prompt.dataset].append((engine.plain(text, max_new_tokens), engine.dflash(text, max_new_tokens)))
-        for dataset, pairs in runs.items():
+        plain = engine.plain(prompts, tokenizer, max_new_tokens)
+        dflash = engine.dflash(prompts, tokenizer, max_new_tokens)
+        if not len(plain) == len(dflash) == len(prompts):
+            raise RuntimeError(f"{engine.name} answered {len(plain)} / {len(dflash)} runs for {len(prompts)} prompts.")
+        by_dataset: dict[str, list[tuple[EngineRun, EngineRun]]] = defaultdict(list)
+        for prompt, pair in zip(prompts, zip(plain, dflash)):
+            by_dataset[prompt.dataset].append(pair)
+        for dataset, pairs in by_dataset.items():
             rows += peer_rows(engine.name, engine.weights, dataset, pairs)
         logger.info(f"{engine.name}: {len(prompts)} prompts plain and with DFlash")
     return rows
@@ -138,11 +206,26 @@ def build_peers(
         raise ValueError("The llama.cpp peer runs the target's GGUF: pass it (--peer_target_gguf FILE).")
     folder = tempfile.TemporaryDirectory(prefix="hf-dflash-peers-")
     try:
-        engines = [llama_cpp_peer(draft, target, target_gguf, folder.name)] if "llama.cpp" in names else []
+        engines = []
+        if "llama.cpp" in names:
+            engines.append(llama_cpp_peer(draft, target, target_gguf, folder.name))
+        if "openvino" in names:
+            engines.append(openvino_peer(draft, target, folder.name))
     except BaseException:
         folder.cleanup()  # a failed export leaves nothing behind
         raise
     return engines, folder
 
 
-__all__ = ["LlamaCppPeer", "PEER_ENGINES", "PeerEngine", "build_peers", "llama_cpp_peer", "measure_peers", "peer_rows"]
+__all__ = [
+    "LlamaCppPeer",
+    "OpenVinoPeer",
+    "PEER_ENGINES",
+    "PeerEngine",
+    "build_peers",
+    "llama_cpp_peer",
+    "measure_peers",
+    "openvino_peer",
+    "peer_rows",
+    "rendered_texts",
+]

@@ -53,8 +53,9 @@ def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
         "--peers",
         nargs="*",
         default=[],
-        choices=["llama.cpp"],
-        help="serving engines also run on the prompts, plain and with the drafter (needs scripts/install_engines.sh)",
+        choices=["llama.cpp", "openvino"],
+        help="serving engines also run on the prompts, plain and with the drafter (needs scripts/install_engines.sh, "
+        "with --openvino for OpenVINO)",
     )
     parser.add_argument(
         "--peer_target_gguf",
