@@ -151,7 +151,7 @@ def test_block_size_drives_llama_cpp_arguments():
     ],
 )
 def test_serving_notes_say_which_engine_misreads_what(config, expected, absent):
-    serving = section(render_model_card(filled_info(**config)).text, "Serving with vLLM, SGLang and llama.cpp")
+    serving = section(render_model_card(filled_info(**config)).text, "Serving with vLLM, SGLang, llama.cpp and OpenVINO")
     for phrase in expected:
         assert phrase in serving
     for phrase in absent:
@@ -202,7 +202,7 @@ ENGINE = {
 
 def test_engine_measurements_are_a_table_beside_the_serving_commands():
     text = render_model_card(filled_info(engines={"llama.cpp": ENGINE})).text
-    serving = section(text, "Serving with vLLM, SGLang and llama.cpp")
+    serving = section(text, "Serving with vLLM, SGLang, llama.cpp and OpenVINO")
     row = "| llama.cpp | 1.58 | 1.63 | 54.4 | 28.7 | 25 prompts, 2 threads | `python benchmarks/scripts/engine_parity.py` |"
     assert row in serving
     assert "| engine |" not in render_model_card(filled_info()).text  # nothing measured: no table
