@@ -126,18 +126,7 @@ FRACTIONS = ["half", "a third", "a quarter", "two thirds", "three quarters"]
 def stdlib_functions(limit: int, seed: int, taken: Collection[str] = frozenset()) -> list[Prompt]:
     """Public top-level standard-library functions with a docstring, as signature + docstring to complete;
     a stub whose prompt's `comparable_text` is in ``taken`` is not used."""
-    stubs = {
-        stub: path for stub, path in _stdlib_stubs().items() if normalize_text(_function_prompt(stub)) not in taken
-    }
-    chosen = random.Random(seed).sample(sorted(stubs), min(limit, len(stubs)))
-    return [
-        Prompt(
-            id=f"functions/{seed}/{index}/{stubs[stub]}",
-            dataset="functions",
-            messages=[{"role": "user", "content": _function_prompt(stub)}],
-        )
-        for index, stub in enumerate(chosen)
-    ]
+    return _chosen_stubs(_stdlib_stubs(), limit, seed, taken)
 
 
 def package_functions(
@@ -145,11 +134,12 @@ def package_functions(
 ) -> list[Prompt]:
     """Like `stdlib_functions`, from installed packages' source (located with `importlib.util.find_spec`, never
     imported): their public top-level functions with a docstring, as signature + docstring to complete."""
-    stubs = {
-        stub: path
-        for stub, path in _package_stubs(tuple(sorted(packages))).items()
-        if normalize_text(_function_prompt(stub)) not in taken
-    }
+    return _chosen_stubs(_package_stubs(tuple(sorted(packages))), limit, seed, taken)
+
+
+def _chosen_stubs(stubs: dict[str, str], limit: int, seed: int, taken: Collection[str]) -> list[Prompt]:
+    """Up to ``limit`` of ``stubs`` (stub -> where it comes from) not in ``taken``, drawn by ``seed``, as prompts."""
+    stubs = {stub: path for stub, path in stubs.items() if normalize_text(_function_prompt(stub)) not in taken}
     chosen = random.Random(seed).sample(sorted(stubs), min(limit, len(stubs)))
     return [
         Prompt(
