@@ -159,13 +159,7 @@ def _package_stubs(packages: tuple[str, ...]) -> dict[str, str]:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise ValueError(f"{package!r} is not an installed package; install it or leave it out")
-        root = Path(spec.submodule_search_locations[0])
-        for path in sorted(root.rglob("*.py")):
-            relative = path.relative_to(root)
-            if SKIPPED_STDLIB_DIRS & set(relative.parts):
-                continue
-            for stub in _function_stubs(path):
-                stubs.setdefault(stub, f"{package}/{relative.with_suffix('')}")
+        _add_folder_stubs(stubs, Path(spec.submodule_search_locations[0]), package)
     return stubs
 
 
@@ -177,14 +171,19 @@ def _function_prompt(stub: str) -> str:
 def _stdlib_stubs() -> dict[str, str]:
     """Every usable stub of this interpreter's standard library -> ``"stdlib/<module path>"`` (parsed once)."""
     stubs = {}
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(stdlib.rglob("*.py")):
-        relative = path.relative_to(stdlib)
+    _add_folder_stubs(stubs, Path(sysconfig.get_paths()["stdlib"]), "stdlib")
+    return stubs
+
+
+def _add_folder_stubs(stubs: dict[str, str], root: Path, name: str) -> None:
+    """Add the stubs of every module under `root` (test, demo and GUI folders skipped) as ``"<name>/<module path>"``;
+    a stub seen before keeps its first place."""
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
         if SKIPPED_STDLIB_DIRS & set(relative.parts):
             continue
         for stub in _function_stubs(path):
-            stubs.setdefault(stub, f"stdlib/{relative.with_suffix('')}")
-    return stubs
+            stubs.setdefault(stub, f"{name}/{relative.with_suffix('')}")
 
 
 def _function_stubs(path: Path) -> list[str]:
