@@ -31,6 +31,7 @@ GREEDY_ONLY = {
 }
 SAMPLING_ONLY = {"ours_argmax": "greedy decoding proposes the draft's argmax already (it is `ours`)"}
 TREE_METHODS = ("ours_tree16",)
+PEER_ENGINES = ("llama.cpp", "openvino")  # serving engines `bench.peers` runs beside ours
 COST_CURVE_TOKENS = 32  # the target's forward is timed over 1 .. 32 new tokens (>= 16 tree nodes + the bonus)
 
 

@@ -28,14 +28,13 @@ from typing import Protocol
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from hf_dflash.bench.config import BenchmarkPrompt
+from hf_dflash.bench.config import PEER_ENGINES, BenchmarkPrompt
 from hf_dflash.bench.report import PeerRow
 from hf_dflash.engines import llama_cpp, openvino
 from hf_dflash.engines.llama_cpp import EngineRun
 
 logger = logging.get_logger(__name__)
 
-PEER_ENGINES = ("llama.cpp", "openvino")
 # GenAI's default KV cache on CPU is u8, which flips near-ties between 8-token and one-token forwards; in f32 its DFlash
 # text equals its plain text (benchmarks/results/engine_parity_openvino.json).
 OPENVINO_PROPERTIES = {"KV_CACHE_PRECISION": "f32"}
@@ -220,7 +219,6 @@ def build_peers(
 __all__ = [
     "LlamaCppPeer",
     "OpenVinoPeer",
-    "PEER_ENGINES",
     "PeerEngine",
     "build_peers",
     "llama_cpp_peer",

@@ -11,11 +11,20 @@ import argparse
 import json
 import sys
 
-from .flags import add_cpu_kernel_flag, add_draft_flags, add_target_flags, prepare_cpu_kernels, target_arguments
+from .flags import (
+    add_cpu_kernel_flag,
+    add_draft_flags,
+    add_target_flags,
+    prepare_cpu_kernels,
+    target_arguments,
+    target_gguf,
+)
 
 
 def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `bench` command's parser to `subparsers` and return it."""
+    from hf_dflash.bench.config import PEER_ENGINES
+
     parser = subparsers.add_parser(
         "bench",
         help="time every decoding path on real prompts against the fastest plain decoding; check identical outputs",
@@ -53,7 +62,7 @@ def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
         "--peers",
         nargs="*",
         default=[],
-        choices=["llama.cpp", "openvino"],
+        choices=PEER_ENGINES,
         help="serving engines also run on the prompts, plain and with the drafter (needs scripts/install_engines.sh, "
         "with --openvino for OpenVINO)",
     )
@@ -116,17 +125,8 @@ def benchmark_config(args: argparse.Namespace):
         batch_sizes=tuple(args.batch_sizes),
         verify_costs="auto" if args.verify == "auto" else None,
         peers=tuple(args.peers),
-        peer_target_gguf=_peer_target_gguf(args),
+        peer_target_gguf=target_gguf(args.target, args.peer_target_gguf) if "llama.cpp" in args.peers else None,
     )
-
-
-def _peer_target_gguf(args: argparse.Namespace) -> str | None:
-    """`--peer_target_gguf`, or a packaged target's own GGUF when llama.cpp is a peer."""
-    from hf_dflash.targets import KNOWN_TARGETS, locate_gguf
-
-    if args.peer_target_gguf or "llama.cpp" not in args.peers or args.target not in KNOWN_TARGETS:
-        return args.peer_target_gguf
-    return str(locate_gguf(args.target))
 
 
 def run(args: argparse.Namespace) -> int:

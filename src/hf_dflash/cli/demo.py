@@ -63,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"target {args.target} on {target.device} in {str(target.dtype).removeprefix('torch.')}")
     prepare_cpu_kernels(args.cpu_kernels, target, draft)
     input_ids = torch.tensor([encode_messages(tokenizer, [{"role": "user", "content": args.prompt}])])
-    inputs = {"input_ids": input_ids.to(target.device), "attention_mask": torch.ones_like(input_ids, device=target.device)}
+    inputs = {
+        "input_ids": input_ids.to(target.device),
+        "attention_mask": torch.ones_like(input_ids, device=target.device),
+    }
     planner = VerifyPlanner()
     costs = planner.costs_for(target, draft, batch_size=1)  # measured once, before any timing
     print(f"target forward over 1..{len(costs.verify)} tokens costs {costs.relative()} x one token")

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from .flags import add_draft_flags, add_target_flags, target_arguments
+from .flags import add_draft_flags, add_target_flags, target_arguments, target_gguf
 
 
 def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -68,24 +68,25 @@ def _engine_target(args: argparse.Namespace) -> dict:
         return _llama_cpp_target(args)
     if args.engine == "openvino":
         from hf_dflash.engines.openvino import find_openvino
-        from hf_dflash.targets import KNOWN_TARGETS, converted_target_folder
 
         try:
             find_openvino()
         except FileNotFoundError as error:
             raise SystemExit(f"hf-dflash export: error: {error}") from None
-        known = args.target in KNOWN_TARGETS
-        return {"target_folder": converted_target_folder(args.target) if known else args.target}
+        return {"target_folder": _target_folder(args.target)}
     return {}
 
 
 def _llama_cpp_target(args: argparse.Namespace) -> dict:
     """The target's transformers folder and GGUF, for a packaged target name or a folder with `--target_gguf`."""
-    from hf_dflash.targets import KNOWN_TARGETS, converted_target_folder, locate_gguf
-
-    if args.target in KNOWN_TARGETS:
-        target_gguf = args.target_gguf or locate_gguf(args.target)
-        return {"target_folder": converted_target_folder(args.target), "target_gguf": target_gguf}
-    if args.target_gguf is None:
+    gguf = target_gguf(args.target, args.target_gguf)
+    if gguf is None:
         raise SystemExit(f"hf-dflash export: error: --engine llama.cpp needs --target_gguf for {args.target}")
-    return {"target_folder": args.target, "target_gguf": args.target_gguf}
+    return {"target_folder": _target_folder(args.target), "target_gguf": gguf}
+
+
+def _target_folder(target: str) -> str:
+    """The target's transformers folder an engine's exporter reads: a packaged target's converted one, else `target`."""
+    from hf_dflash.targets import KNOWN_TARGETS, converted_target_folder
+
+    return str(converted_target_folder(target)) if target in KNOWN_TARGETS else target

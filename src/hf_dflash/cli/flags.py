@@ -40,6 +40,15 @@ def target_arguments(args: argparse.Namespace) -> TargetArguments:
     return TargetArguments(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TargetArguments)})
 
 
+def target_gguf(target: str, given: str | None) -> str | None:
+    """The target's GGUF for llama.cpp: `given` (a `--*target_gguf` flag), else a packaged target's own, else None."""
+    from hf_dflash.targets import KNOWN_TARGETS, locate_gguf
+
+    if given or target not in KNOWN_TARGETS:
+        return given
+    return str(locate_gguf(target))
+
+
 def add_draft_flags(parser: argparse.ArgumentParser) -> None:
     """`--draft` (required), `--draft_revision` and `--base_draft`: the drafter a command loads
     (`hf_dflash.loading.load_draft`, which merges a drafter adapter onto its base)."""
