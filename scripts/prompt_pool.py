@@ -38,7 +38,7 @@ from shaped_prompts import multi_step_problems, package_functions, stdlib_functi
 
 from hf_dflash.data.evaluation import comparable_text  # noqa: E402
 from hf_dflash.data.prompts import Prompt, iter_json_array, load_prompts, prompt_set_path  # noqa: E402
-from hf_dflash.data.sources import write_prompts_jsonl  # noqa: E402
+from hf_dflash.data.sources import chat_messages, write_prompts_jsonl  # noqa: E402
 
 # Installed packages whose functions become completion prompts, beside the standard library.
 FUNCTION_PACKAGES = (
@@ -67,9 +67,9 @@ def sharegpt_later_turns(limit: int | None, seed: int) -> list[Prompt]:
 
 
 def _sharegpt_messages(turns: list[dict]) -> list[dict]:
-    """ShareGPT turns as chat messages, if they alternate user/assistant from a user turn; else []."""
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
-    messages = [{"role": roles.get(turn.get("from")), "content": (turn.get("value") or "").strip()} for turn in turns]
+    """ShareGPT turns as chat messages (`chat_messages`, stripped), if they alternate user/assistant from a user turn;
+    else []."""
+    messages = [{"role": m["role"], "content": m["content"].strip()} for m in chat_messages(turns)]
     alternating = all(m["role"] == ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(messages))
     return messages if alternating and all(m["content"] for m in messages) else []
 
@@ -102,11 +102,11 @@ def chitchat_dialogues(limit: int | None, seed: int) -> list[Prompt]:
 
 
 def code_functions(limit: int | None, seed: int) -> list[Prompt]:
-    """Function stubs: the whole standard-library pool first, then installed packages' functions."""
-    stdlib = stdlib_functions(limit if limit is not None else 10**9, seed)
+    """Function stubs: the standard library's first (all of them when `limit` allows), then installed packages'."""
+    limit = sys.maxsize if limit is None else limit
+    stdlib = stdlib_functions(limit, seed)
     taken = {comparable_text(prompt) for prompt in stdlib}
-    rest = None if limit is None else max(limit - len(stdlib), 0)
-    return stdlib + package_functions(FUNCTION_PACKAGES, rest if rest is not None else 10**9, seed, taken)
+    return stdlib + package_functions(FUNCTION_PACKAGES, limit - len(stdlib), seed, taken)
 
 
 def _sample(prompts: list[Prompt], limit: int | None, seed: int) -> list[Prompt]:

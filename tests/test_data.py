@@ -37,6 +37,7 @@ from hf_dflash.data.prompts import Prompt, load_prompts, prompt_set_path
 from hf_dflash.data.records import completed_ids, drop_torn_last_line, load_training_dataset, record_line
 from hf_dflash.data.regenerate import regenerate_records, regenerate_responses
 from hf_dflash.data.sources import (
+    chat_messages,
     prompts_from_dataset,
     prompts_from_jsonl,
     synthesize_prompts,
@@ -347,6 +348,8 @@ def test_prompts_from_dataset_and_jsonl_cut_chats_after_the_last_user_turn(tmp_p
     assert prompts[0].messages == chat[:2] and prompts[1].messages == [{"role": "user", "content": "Hello"}]
     strings = prompts_from_dataset(datasets.Dataset.from_dict({"prompt": ["x", "y"]}), column="prompt")
     assert [(p.id, p.messages[0]["content"]) for p in strings] == [("dataset/0", "x"), ("dataset/1", "y")]
+    turns = [{"from": "human", "value": "Q"}, {"from": "chatgpt", "value": "A"}, {"from": "bing", "value": "B"}]
+    assert [m["role"] for m in chat_messages(turns)] == ["user", "assistant", "bing"]  # ShareGPT's names, once
     empty = tmp_path / "empty.jsonl"
     empty.write_text(
         '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}, '

@@ -245,17 +245,27 @@ def _load_source(source, limit, target, tokenizer, seed, batch_size, synthetic_c
     return prompts
 
 
-def _to_prompt(value: str | list[dict], prompt_id: str, source: str) -> Prompt | None:
-    """A prompt from a string (one user turn) or a chat list cut after its last user message; None if none."""
-    if isinstance(value, str):
-        return Prompt(id=prompt_id, dataset=source, messages=[{"role": "user", "content": value}])
-    roles = {"human": "user", "gpt": "assistant"}  # ShareGPT's "from"/"value" spelling
+# ShareGPT's "from" names of the two sides (its other names, "system", "bing", "bard", are kept as they are)
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant"}
+
+
+def chat_messages(value: list[dict]) -> list[dict]:
+    """`{"role", "content"}` messages from a chat list in either spelling: the chat template's, or ShareGPT's
+    `{"from", "value"}` (`SHAREGPT_ROLES`). A missing content is read as ""."""
     messages = []
     for message in value:
         role = message.get("role") or message.get("from")  # `or`: Arrow fills a missing struct field with None
         content = message.get("content")
         content = message.get("value") if content is None else content  # "" stays "": an empty turn, not a missing one
-        messages.append({"role": roles.get(role, role), "content": content or ""})
+        messages.append({"role": SHAREGPT_ROLES.get(role, role), "content": content or ""})
+    return messages
+
+
+def _to_prompt(value: str | list[dict], prompt_id: str, source: str) -> Prompt | None:
+    """A prompt from a string (one user turn) or a chat list cut after its last user message; None if none."""
+    if isinstance(value, str):
+        return Prompt(id=prompt_id, dataset=source, messages=[{"role": "user", "content": value}])
+    messages = chat_messages(value)
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last_user is None:
         return None
