@@ -227,14 +227,19 @@ def _records(target, count: int = 3):
     return [{"input_ids": row.tolist(), "loss_mask": [0] * 6 + [1] * 20} for row in out]
 
 
-def test_cached_top_k_distillation_gives_the_online_top_k_loss(tmp_path):
+def _reduced_vocabulary_setup():
+    """A llama target, three records of its own greedy text, and a training drafter with a 64-token vocabulary."""
     from datasets import Dataset
 
     target = make_target("llama")
     dataset = Dataset.from_list(_records(target))
     draft = make_draft(target, block_size=8, num_hidden_layers=1, draft_vocab_size=64)
     draft.set_draft_vocabulary(torch.arange(10, 74))
-    draft.train()
+    return target, dataset, draft.train()
+
+
+def test_cached_top_k_distillation_gives_the_online_top_k_loss(tmp_path):
+    target, dataset, draft = _reduced_vocabulary_setup()
     cached = DFlashTrainer(
         model=draft, target=target, args=_distill_args(tmp_path, cache_target_features=True), train_dataset=dataset
     )
@@ -289,13 +294,7 @@ def test_the_target_cache_on_disk_is_reused_per_sequence_for_the_same_target(tmp
 
 
 def test_features_read_from_disk_give_the_in_memory_loss_and_hold_no_tensors(tmp_path):
-    from datasets import Dataset
-
-    target = make_target("llama")
-    dataset = Dataset.from_list(_records(target))
-    draft = make_draft(target, block_size=8, num_hidden_layers=1, draft_vocab_size=64)
-    draft.set_draft_vocabulary(torch.arange(10, 74))
-    draft.train()
+    target, dataset, draft = _reduced_vocabulary_setup()
     features = str(tmp_path / "features")
     in_memory = DFlashTrainer(
         model=draft, target=target, args=_distill_args(tmp_path, cache_target_features=True), train_dataset=dataset
