@@ -353,3 +353,27 @@ def test_peft_acceptance_writes_a_pairs_acceptance_for_its_card():
         "first 2 prompts, whole block, greedy, 8 new tokens, on t fine-tuned by a; the base drafter alone: tau 1.5, "
         "50% of its loss won back (90% interval 0%-100%) (report.json)"
     )
+
+
+def test_acceptance_by_dataset_reports_the_share_of_generated_tokens_inside_the_draft_vocabulary(monkeypatch):
+    """A reduced-vocabulary drafter's `in_draft_vocabulary` is the share of the target's greedy tokens its vocabulary
+    holds (each one outside ends an accepted run); a full-vocabulary drafter has none."""
+    from helpers import greedy_reference
+
+    script = _peft_acceptance_script()
+    monkeypatch.setattr(script, "encode_prompt", lambda tokenizer, prompt: prompt)  # prompts given as ids
+    target = make_target("llama")
+    prompts = [torch.randint(PAD, (9,), generator=torch.Generator().manual_seed(seed)).tolist() for seed in (1, 2)]
+    generated = [greedy_reference(target, torch.tensor(p), 12)[len(p) :].tolist() for p in prompts]
+    emitted = sorted({token for tokens in generated for token in tokens})
+    vocabulary = emitted[: len(emitted) // 2] + [token for token in range(40) if token not in emitted][:8]
+    draft = make_draft(target, draft_vocab_size=len(vocabulary))
+    draft.set_draft_vocabulary(torch.tensor(vocabulary))
+
+    result = script.acceptance_by_dataset(target, None, draft, {"set": prompts}, max_new_tokens=12)["set"]
+
+    inside = sum(token in vocabulary for tokens in generated for token in tokens)
+    total = sum(map(len, generated))
+    assert 0 < inside < total and result["in_draft_vocabulary"] == round(inside / total, 4)
+    full = script.acceptance_by_dataset(target, None, make_draft(target), {"set": prompts}, max_new_tokens=12)
+    assert "in_draft_vocabulary" not in full["set"]

@@ -53,17 +53,28 @@ REUSE_KEYS = ("target", "prompts", "max_new_tokens", "verify")
 
 def acceptance_by_dataset(target, tokenizer, draft, prompts: dict, max_new_tokens: int) -> dict[str, dict]:
     """Per prompt set: whole-block tau of `draft`, and per prompt the tokens committed and the target forwards
-    (rounds) it took, for paired comparisons."""
+    (rounds) it took, for paired comparisons. A drafter with a reduced vocabulary also gets `in_draft_vocabulary`:
+    the share of the generated tokens it could propose at all (each one outside ends an accepted run)."""
     results = {}
+    vocabulary = None if draft.draft_token_ids is None else draft.draft_token_ids.tolist()
     for name, items in prompts.items():
-        committed, rounds = [], []
+        committed, rounds, generated = [], [], []
         for prompt in items:
             ids = torch.tensor([encode_prompt(tokenizer, prompt)])
             out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens, do_sample=False)
             committed.append(sum(out.stats.acceptance_lengths))
             rounds.append(len(out.stats.acceptance_lengths))
+            generated += out.sequences[0, ids.shape[1] : ids.shape[1] + out.num_new_tokens[0]].tolist()
         results[name] = {"tau": round(sum(committed) / sum(rounds), 3), "committed": committed, "rounds": rounds}
+        if vocabulary is not None:
+            results[name]["in_draft_vocabulary"] = round(share_inside(generated, vocabulary), 4)
     return results
+
+
+def share_inside(tokens: list[int], vocabulary: list[int]) -> float:
+    """The share of `tokens` that `vocabulary` holds (1.0 for no tokens)."""
+    kept = set(vocabulary)
+    return sum(token in kept for token in tokens) / len(tokens) if tokens else 1.0
 
 
 def taus(acceptance: dict[str, dict]) -> dict[str, float]:
