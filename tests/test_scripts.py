@@ -287,3 +287,22 @@ def test_a_scaling_report_measured_otherwise_is_refused_not_mixed(tmp_path):
     assert scaling.load_report(path, conditions)["results"] == [{"point": "1x"}]
     with pytest.raises(SystemExit, match="another max_new_tokens"):
         scaling.load_report(path, conditions | {"max_new_tokens": 64})
+
+
+def test_draft_vocab_coverage_counts_response_tokens_only_per_source_and_reads_a_drafters_rows(tmp_path):
+    coverage = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "draft_vocab_coverage.py")
+    records = [
+        {"source": "a", "input_ids": [9, 1, 1, 2], "loss_mask": [0, 1, 1, 1]},  # prompt token 9 is not counted
+        {"source": "b", "input_ids": [9, 3, 4, 4], "loss_mask": [0, 1, 1, 1]},
+    ]
+    counts = {r["source"]: coverage.response_token_counts(coverage.columns([r])) for r in records}
+    assert coverage.coverage({1, 4, 9}, counts) == {"a": round(2 / 3, 4), "b": round(2 / 3, 4), "all": round(4 / 6, 4)}
+
+    target = make_target("llama")
+    draft = make_draft(target, draft_vocab_size=4)
+    draft.set_draft_vocabulary(torch.tensor([7, 3, 20, 11]))
+    draft.save_pretrained(tmp_path / "drafter")
+    assert coverage.drafter_vocabulary(tmp_path / "drafter") == {3, 7, 11, 20}
+    make_draft(target).save_pretrained(tmp_path / "full")
+    with pytest.raises(SystemExit, match="full vocabulary"):
+        coverage.drafter_vocabulary(tmp_path / "full")
