@@ -306,3 +306,22 @@ def test_draft_vocab_coverage_counts_response_tokens_only_per_source_and_reads_a
     make_draft(target).save_pretrained(tmp_path / "full")
     with pytest.raises(SystemExit, match="full vocabulary"):
         coverage.drafter_vocabulary(tmp_path / "full")
+
+
+def test_scaling_table_has_a_row_per_measurement_with_the_vocabulary_share_where_the_drafter_has_one():
+    scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
+    report = {
+        "conditions": {"prompts": {"held-out": 60, "gsm8k": 50}},
+        "results": [
+            {"point": "committed", "records": None, "block_size": 8, "step": None, "tau": {"held-out": 2.0, "gsm8k": 1.8},
+             "acceptance": {"held-out": {"in_draft_vocabulary": 0.9}, "gsm8k": {"in_draft_vocabulary": 0.995}}},
+            {"point": "10x", "records": 19060, "block_size": 16, "step": 400, "tau": {"held-out": 2.5, "gsm8k": 2.25},
+             "acceptance": {"held-out": {}, "gsm8k": {}}},
+        ],
+    }  # fmt: skip
+    assert scaling.table(report).splitlines() == [
+        "| drafter | records | block | steps | held-out | gsm8k |",
+        "|---|---|---|---|---|---|",
+        "| committed | - | 8 | - | 2.00 (90.0%) | 1.80 (99.5%) |",
+        "| 10x | 19,060 | 16 | 400 | 2.50 | 2.25 |",
+    ]

@@ -529,6 +529,19 @@ def test_train_neither_prints_nor_sets_the_log_verbosity(tmp_path, capsys):
     assert result.summary().startswith("trained 1 steps on 4 sequences")
 
 
+def test_train_without_a_held_out_split_trains_on_every_record(tmp_path):
+    """`--acceptance_holdout 0` (the scaling curve measures on its own prompts): all records train, none held out."""
+    from hf_dflash.training.script import parse_train_args, train
+
+    _, _, data = _saved_target_and_data(tmp_path)
+    argv = ["--data", str(data), "--target", str(tmp_path / "target"), "--output_dir", str(tmp_path / "drafter")]
+    argv += ["--max_steps", "1", "--block_size", "4", "--mask_token_id", str(PAD), "--acceptance_holdout", "0"]
+    argv += ["--report_to", "none", "--use_cpu", "true", "--save_strategy", "no", "--disable_tqdm", "true"]
+    result = train(*parse_train_args(argv))
+    assert result.steps == 1 and result.num_sequences == 6 and result.num_held_out == 0
+    assert result.tau_before is None and result.tau_after is None
+
+
 def test_cached_target_features_give_the_online_loss(tmp_path):
     target = make_target("qwen3")
     records, _ = _regenerated(target, num_sequences=3, new_tokens=20)

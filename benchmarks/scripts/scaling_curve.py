@@ -9,7 +9,9 @@ timing) on held-out prompts of the training distribution and on the first prompt
 Everything resumes: a subset file, a finished drafter or a measured (point, step) is never redone, an interrupted
 training continues from its latest checkpoint (`--resume_from_checkpoint`), and the target's features are kept per
 sequence on disk in fp16 (`--target_features_storage disk`), shared by all points (a 3x subset holds the 1x one).
-The report (JSON, rewritten after every measurement) and its plot go where `--output` says.
+The report (JSON, rewritten after every measurement) and its plot go where `--output` says; the last thing printed is
+its table (markdown). `--baseline NAME=FOLDER` also measures an existing drafter once (the committed one), as a row
+of the table.
 
     python benchmarks/scripts/scaling_curve.py --records ../data/records.jsonl --held_out ../data/held_out.jsonl \
         --work ../data/scaling --points 1x:1906:8 3x:5718:8 10x:19060:8 --max_steps 1600 --eval_steps 400 800 \
@@ -36,6 +38,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peft_acceptance import WHOLE_BLOCK_GREEDY, acceptance_by_dataset, taus  # noqa: E402
 
+from hf_dflash import DFlashConfig  # noqa: E402
 from hf_dflash.atomic_files import atomic_path  # noqa: E402
 from hf_dflash.data.prompts import load_prompts, split_set_limit  # noqa: E402
 from hf_dflash.data.sources import prompts_from_jsonl  # noqa: E402
@@ -150,9 +153,29 @@ def plot(report: dict, path: Path) -> None:
     by_steps.set(xlabel="optimizer steps", ylabel="whole-block tau (greedy)", title="tau against steps")
     for axes in (by_data, by_steps):
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7)
+        if axes.get_legend_handles_labels()[0]:  # a panel with nothing drawn yet has no legend
+            axes.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def table(report: dict) -> str:
+    """Markdown: one row per (point, step), tau per prompt set with the share of the target's tokens inside the
+    drafter's vocabulary beside it."""
+    sets = list(report["conditions"]["prompts"])
+    lines = [
+        "| drafter | records | block | steps | " + " | ".join(sets) + " |",
+        "|---|---|---|---|" + "---|" * len(sets),
+    ]
+    for r in report["results"]:
+        cells = []
+        for name in sets:
+            inside = r["acceptance"][name].get("in_draft_vocabulary")
+            cells.append(f"{r['tau'][name]:.2f}" + ("" if inside is None else f" ({inside:.1%})"))
+        records = "-" if r["records"] is None else f"{r['records']:,}"
+        steps = "-" if r["step"] is None else f"{r['step']:,}"
+        lines.append(f"| {r['point']} | {records} | {r['block_size']} | {steps} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -166,6 +189,7 @@ def main() -> None:
     parser.add_argument("--eval_steps", type=int, nargs="*", default=[], help="checkpoints also measured")
     parser.add_argument("--datasets", nargs="+", default=["gsm8k:50", "humaneval:50", "mt-bench:50"])
     parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--baseline", nargs="*", default=[], help="NAME=FOLDER: an existing drafter, measured once")
     parser.add_argument("--output", required=True, type=Path)
     args = parser.parse_args()
 
@@ -182,7 +206,15 @@ def main() -> None:
     }
     report = load_report(args.output, conditions)
     done = {(r["point"], r["step"]) for r in report["results"]}
-    target = tokenizer = None
+    target, tokenizer = load_target_and_tokenizer("smollm2-135m-instruct", device="cpu")
+    for name, folder in (spec.split("=", 1) for spec in args.baseline):
+        if (name, None) not in done:
+            result = measure(target, tokenizer, Path(folder), prompts, args.max_new_tokens)
+            block_size = DFlashConfig.from_pretrained(folder).block_size
+            report["results"].append(
+                {"point": name, "records": None, "block_size": block_size, "step": None, "drafter": folder, **result}
+            )
+            save(report, args.output)
     for point in map(Point.parse, args.points):
         drafter = train(
             point, subset(args.records, point.records, args.work), args.work, args.max_steps, args.save_steps
@@ -191,8 +223,6 @@ def main() -> None:
             if (point.name, step) in done:
                 continue
             folder = drafter if step == args.max_steps else drafter / f"checkpoint-{step}"
-            if target is None:
-                target, tokenizer = load_target_and_tokenizer("smollm2-135m-instruct", device="cpu")
             result = measure(target, tokenizer, folder, prompts, args.max_new_tokens)
             report["results"].append(
                 {"point": point.name, "records": point.records, "block_size": point.block_size, "step": step, **result}
@@ -200,6 +230,7 @@ def main() -> None:
             print(f"{point.name} step {step}: tau {result['tau']} ({result['wall_s']} s)", flush=True)
             save(report, args.output)
             plot(report, args.output.with_suffix(".png"))
+    print(table(report))
 
 
 if __name__ == "__main__":

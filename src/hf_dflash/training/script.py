@@ -284,7 +284,9 @@ def frequent_response_tokens(dataset, size: int, target: PreTrainedModel) -> tor
 
 def held_out_prompts(dataset, holdout: int) -> list[torch.Tensor]:
     """`[1, prompt_len]` prompts of the last `holdout` records, the ones `--acceptance_holdout` keeps out of training
-    (the tokens before the first supervised one)."""
+    (the tokens before the first supervised one); none for `holdout=0`."""
+    if holdout == 0:
+        return []  # `datasets` refuses an empty range that starts at the end
     dataset = dataset.select(range(len(dataset) - holdout, len(dataset)))
     lengths = dataset["prompt_len"] if "prompt_len" in dataset.column_names else None
     lengths = lengths or [mask.index(1) for mask in dataset["loss_mask"]]
