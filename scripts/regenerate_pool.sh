@@ -2,10 +2,11 @@
 # Regenerate a prompt pool's responses with a packaged target (TARGET, default smollm2-135m-instruct) served by
 # llama.cpp's llama-server, in fp32.
 #
-# The HF target is the package's quantized GGUF dequantized to fp32; this converts that checkpoint to an F32 GGUF, so the server runs the target's own weights without llama.cpp's 4-bit kernels (on 48
-# ShareGPT prompts 42 of 48 greedy responses were token-identical to in-process ones, against 7 of 48 from the Q4_1
-# file), and serves it with SLOTS parallel sequences. `hf-dflash data` appends to OUTPUT and skips ids it holds, so
-# rerunning this script resumes after any interruption.
+# The HF target is the package's quantized GGUF dequantized to fp32; this converts that checkpoint to an F32 GGUF, so
+# the server runs the target's own weights without llama.cpp's 4-bit kernels (SmolLM2: 42 of 48 greedy ShareGPT
+# responses token-identical to in-process ones, against 7 of 48 from the Q4_1 file; Gemma-3-270m: 16 of 16 held-out
+# pool prompts), and serves it with SLOTS parallel sequences. `hf-dflash data` appends to OUTPUT and skips ids it
+# holds, so rerunning this script resumes after any interruption.
 #
 #   bash scripts/install_engines.sh            # llama.cpp's tools, once
 #   python scripts/prompt_pool.py ... --output ../data/pool.jsonl
