@@ -608,9 +608,25 @@ def test_train_command_continues_a_drafter_and_rechooses_its_vocabulary(tmp_path
     assert draft.config.num_hidden_layers == 1 and draft.config.block_size == 4  # the start's architecture
     info = json.loads((tmp_path / "out" / "training_info.json").read_text())
     assert info["training"]["draft_init"] == f"continued from {tmp_path / 'start'}"  # not the unused 'random'
-    with pytest.raises(ValueError, match="differs from the 16 of --init_draft"):
-        main(common + ["--output_dir", str(tmp_path / "bad"), "--draft_vocab_size", "32"])
-    assert not (tmp_path / "bad").exists()
+    assert main(common + ["--output_dir", str(tmp_path / "wider"), "--draft_vocab_size", "32"]) == 0
+    wider = DFlashForDrafting.from_pretrained(tmp_path / "wider")  # another size: the vocabulary resized, not refused
+    assert wider.config.draft_vocab_size == 32 and most_common <= set(wider.draft_token_ids.tolist())
+    assert wider.d2t.shape == (32,) and wider.draft_token_ids.unique().numel() == 32
+
+
+def test_resizing_the_draft_vocabulary_keeps_the_layers_and_the_shared_rows_scores():
+    target = make_target("llama")
+    draft = make_draft(target, block_size=4, num_hidden_layers=1, draft_vocab_size=16).eval()
+    draft.set_draft_vocabulary(torch.arange(16))
+    hidden = torch.randn(2, 3, draft.config.hidden_size)
+    before = draft.draft_logits(hidden, target.get_output_embeddings())  # [2, 3, 16]
+    layers = {name: tensor.clone() for name, tensor in draft.state_dict().items() if name != "d2t"}
+    draft.resize_draft_vocabulary(torch.arange(8, 40))  # 32 rows, half of them shared with the old 16
+    after = draft.draft_logits(hidden, target.get_output_embeddings())  # [2, 3, 32]
+    assert draft.config.draft_vocab_size == 32 and after.shape[-1] == 32
+    assert draft.draft_token_ids.tolist() == list(range(8, 40))
+    torch.testing.assert_close(after[..., :8], before[..., 8:])  # the rows both vocabularies hold score the same
+    assert all(torch.equal(tensor, draft.state_dict()[name]) for name, tensor in layers.items())
 
 
 def test_resume_true_picks_the_latest_complete_checkpoint(tmp_path):

@@ -45,7 +45,8 @@ class TrainScriptArguments(TargetArguments):
         default=None,
         metadata={
             "help": "Draft over the N most frequent response tokens of the data only (cheaper draft LM head); with "
-            "--init_draft, the same N as that drafter, its tokens re-chosen from this data."
+            "--init_draft, its tokens re-chosen from this data (another N resizes its vocabulary; the LM head is the "
+            "target's, so its layers carry over)."
         },
     )
     acceptance_holdout: int = field(
@@ -128,7 +129,7 @@ def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainR
     prompts = held_out_prompts(dataset, script.acceptance_holdout)
     draft = _initial_draft(script, args, target, tokenizer)
     if script.draft_vocab_size:  # the LM head is the target's: choosing the rows anew loses nothing learned
-        draft.set_draft_vocabulary(frequent_response_tokens(train_dataset, script.draft_vocab_size, target))
+        draft.resize_draft_vocabulary(frequent_response_tokens(train_dataset, script.draft_vocab_size, target))
     elif draft.draft_token_ids is not None:  # a kept vocabulary (an adapter, a continued drafter) may miss new tokens
         warn_about_unproposable_tokens(train_dataset, draft, tokenizer, script.use_peft)
     trainer = DFlashTrainer(
@@ -205,13 +206,7 @@ def _initial_draft(
             "continues a trained one: drop one of them."
         )
     if script.init_draft:
-        draft = load_draft(script.init_draft, target)
-        if script.draft_vocab_size and script.draft_vocab_size != draft.config.draft_vocab_size:
-            raise ValueError(
-                f"--draft_vocab_size {script.draft_vocab_size} differs from the {draft.config.draft_vocab_size} of "
-                f"--init_draft {script.init_draft}; pass the same size (its rows are re-chosen from this data) or none."
-            )
-        return draft
+        return load_draft(script.init_draft, target)
     overrides = {
         name: getattr(args, name)
         for name in ("target_layer_ids", "mask_token_id", "layer_types", "sliding_window")
