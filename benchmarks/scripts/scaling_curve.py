@@ -185,7 +185,9 @@ def main() -> None:
     parser.add_argument("--work", required=True, type=Path, help="subsets, drafters and features (outside the repo)")
     parser.add_argument("--points", nargs="+", required=True, help="NAME:RECORDS:BLOCK_SIZE")
     parser.add_argument("--max_steps", type=int, default=1600)
-    parser.add_argument("--save_steps", type=int, default=400)
+    parser.add_argument(
+        "--save_steps", type=int, default=200, help="checkpoint interval: a stopped run loses at most this many steps"
+    )
     parser.add_argument("--eval_steps", type=int, nargs="*", default=[], help="checkpoints also measured")
     parser.add_argument("--datasets", nargs="+", default=["gsm8k:50", "humaneval:50", "mt-bench:50"])
     parser.add_argument("--max_new_tokens", type=int, default=128)
