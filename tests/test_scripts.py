@@ -278,6 +278,14 @@ def test_scaling_curve_subsets_are_prefixes_written_once_and_a_short_file_is_ref
     assert sorted(path.name for path in (tmp_path / "work").iterdir()) == ["records-3.jsonl"]
 
 
+def test_only_the_named_points_are_measured_at_their_checkpoints():
+    scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
+    ten, one = scaling.Point("10x", 19060, 8), scaling.Point("1x", 1906, 8)
+    assert scaling.measured_steps(ten, [400, 800], ["10x"], 1600) == [400, 800, 1600]
+    assert scaling.measured_steps(one, [400, 800], ["10x"], 1600) == [1600]
+    assert scaling.measured_steps(one, [400, 800], None, 1600) == [400, 800, 1600]  # default: every point
+
+
 def test_a_scaling_report_measured_otherwise_is_refused_not_mixed(tmp_path):
     scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
     conditions = {"prompts": {"gsm8k": 50}, "max_new_tokens": 128, "verify": "whole", "recipe": "r"}

@@ -15,7 +15,7 @@ of the table.
 
     python benchmarks/scripts/scaling_curve.py --records ../data/records.jsonl --held_out ../data/held_out.jsonl \
         --work ../data/scaling --points 1x:1906:8 3x:5718:8 10x:19060:8 --max_steps 1600 --eval_steps 400 800 \
-        --output benchmarks/results/scaling/scaling_smollm2.json
+        --eval_steps_points 10x --output benchmarks/results/scaling/scaling_smollm2.json
 """
 
 from __future__ import annotations
@@ -97,6 +97,14 @@ def train(point: Point, data: Path, work: Path, max_steps: int, save_steps: int)
     print(" ".join(command), flush=True)
     subprocess.run(command, check=True)
     return output
+
+
+def measured_steps(point: Point, eval_steps: list[int], eval_points: list[str] | None, max_steps: int) -> list[int]:
+    """The steps at which `point`'s drafter is measured: its final one, and `eval_steps` if it is one of
+    `eval_points` (every point when None)."""
+    if eval_points is not None and point.name not in eval_points:
+        return [max_steps]
+    return [*eval_steps, max_steps]
 
 
 def measure(target, tokenizer, drafter: Path, prompts: dict, max_new_tokens: int) -> dict:
@@ -189,11 +197,18 @@ def main() -> None:
         "--save_steps", type=int, default=200, help="checkpoint interval: a stopped run loses at most this many steps"
     )
     parser.add_argument("--eval_steps", type=int, nargs="*", default=[], help="checkpoints also measured")
+    parser.add_argument(
+        "--eval_steps_points", nargs="*", default=None, help="points whose --eval_steps are measured (default: all)"
+    )
     parser.add_argument("--datasets", nargs="+", default=["gsm8k:50", "humaneval:50", "mt-bench:50"])
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--baseline", nargs="*", default=[], help="NAME=FOLDER: an existing drafter, measured once")
     parser.add_argument("--output", required=True, type=Path)
     args = parser.parse_args()
+    points = [Point.parse(spec) for spec in args.points]
+    unknown = set(args.eval_steps_points or []) - {point.name for point in points}
+    if unknown:
+        parser.error(f"--eval_steps_points names no point of --points: {', '.join(sorted(unknown))}")
 
     prompts = {"held-out": prompts_from_jsonl(args.held_out)}
     prompts |= {name: load_prompts(name, count) for name, count in (split_set_limit(d, None) for d in args.datasets)}
@@ -217,11 +232,11 @@ def main() -> None:
                 {"point": name, "records": None, "block_size": block_size, "step": None, "drafter": folder, **result}
             )
             save(report, args.output)
-    for point in map(Point.parse, args.points):
+    for point in points:
         drafter = train(
             point, subset(args.records, point.records, args.work), args.work, args.max_steps, args.save_steps
         )
-        for step in [*args.eval_steps, args.max_steps]:
+        for step in measured_steps(point, args.eval_steps, args.eval_steps_points, args.max_steps):
             if (point.name, step) in done:
                 continue
             folder = drafter if step == args.max_steps else drafter / f"checkpoint-{step}"
