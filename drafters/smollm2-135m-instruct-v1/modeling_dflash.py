@@ -386,6 +386,17 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         self.d2t.copy_(target_ids.to(self.d2t.device) - torch.arange(target_ids.shape[0], device=self.d2t.device))
         self._draft_head_cache = None
 
+    def resize_draft_vocabulary(self, target_ids: torch.LongTensor) -> None:
+        """Draft over these target token ids from now on, however many there are (`config.draft_vocab_size` follows).
+
+        Nothing learned is lost: the LM head is the target's, so the rows are only a choice among its rows (a drafter
+        trained over 8,192 of them keeps its layers when it continues over 16,384).
+        """
+        size = int(torch.as_tensor(target_ids).unique().numel())
+        self.config.draft_vocab_size = size
+        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long, device=self.fc.weight.device))
+        self.set_draft_vocabulary(target_ids)
+
     def draft_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """The target's LM head on draft hidden states `[..., H]` -> `[..., V_d]` logits over the draft vocabulary
         (`V_d` = `draft_vocab_size`, or the whole vocabulary). Map an index back with `to_target_ids`."""
