@@ -333,3 +333,19 @@ def test_scaling_table_has_a_row_per_measurement_with_the_vocabulary_share_where
         "| committed | - | 8 | - | 2.00 (90.0%) | 1.80 (99.5%) |",
         "| 10x | 19,060 | 16 | 400 | 2.50 | 2.25 |",
     ]
+
+
+def test_label_agreement_finds_the_one_response_token_that_is_not_the_targets_greedy_choice():
+    agreement = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "label_agreement.py")
+    target = make_target("llama").eval()
+    prompt = torch.tensor([[3, 17, 42, 9]])
+    greedy = target.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[0].tolist()  # its own outputs
+    loss_mask = [0] * 4 + [1] * 6
+    assert agreement.record_disagreements(target, greedy, loss_mask) == (6, [])
+    changed = greedy[:-1] + [(greedy[-1] + 1) % target.config.vocab_size]  # the last response token not its choice
+    tokens, found = agreement.record_disagreements(target, changed, loss_mask)
+    assert tokens == 6 and [d["token"] for d in found] == [9] and found[0]["logit_gap"] > 0
+    prompt_changed = [greedy[0], (greedy[1] + 1) % target.config.vocab_size, *greedy[2:]]  # prompt tokens: not counted
+    assert all(d["token"] >= 4 for d in agreement.record_disagreements(target, prompt_changed, loss_mask)[1])
+    report = agreement.summary([(6, []), (tokens, found)])
+    assert report["share_agreeing"] == round(11 / 12, 6) and report["records_with_a_disagreement"] == 1

@@ -131,6 +131,7 @@ class Engine:
         self.attempts: Counter = Counter()  # prompt index -> requests
         self.fault = lambda index, attempt: None
         self.lock = threading.Lock()
+        self.owner = None  # `owned_by` in GET /models
 
     def answer(self, body: dict, headers: dict) -> tuple[int, dict | bytes]:
         with self.lock:
@@ -143,7 +144,15 @@ class Engine:
             time.sleep(fault)
         elif fault is not None:
             return fault
-        return 200, {"object": "text_completion", "model": MODEL, "choices": [self.complete(body)]}
+        choice = self.complete(body)
+        answer = {"object": "text_completion", "model": MODEL, "choices": [choice]}
+        if body.get("return_token_ids"):  # asked as vLLM is: ids and no text, so only the ids make the record right
+            choice |= {"token_ids": choice.pop("ids"), "text": ""}
+        elif body.get("return_tokens") and body.get("verbose"):  # asked as llama.cpp's server is
+            answer["__verbose"] = {"tokens": choice.pop("ids")}
+            choice["text"] = ""
+        choice.pop("ids", None)
+        return 200, answer
 
     def complete(self, body: dict) -> dict:
         ids = self.tokenizer(body["prompt"], add_special_tokens=False).input_ids
@@ -158,6 +167,7 @@ class Engine:
             "text": self.tokenizer.decode(response[:-1] if stopped else response),
             "finish_reason": "stop" if stopped else "length",
             "stop_reason": named,
+            "ids": response,  # every generated id, a stop id included: what engines return when asked
         }
 
 
@@ -168,7 +178,8 @@ def serve(engine: Engine):
 
         def do_GET(self):
             if self.path == "/v1/models":
-                self.send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+                owner = {"owned_by": engine.owner} if engine.owner else {}
+                self.send(200, {"object": "list", "data": [{"id": MODEL, "object": "model", **owner}]})
             else:
                 self.send(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -412,3 +423,40 @@ def test_a_bare_server_address_gets_the_api_base_and_a_path_is_kept():
     assert api_base("http://127.0.0.1:8080/") == "http://127.0.0.1:8080/v1"
     assert api_base("http://127.0.0.1:8080/v1/") == "http://127.0.0.1:8080/v1"
     assert api_base("https://proxy.example/api/v1") == "https://proxy.example/api/v1"
+
+
+@pytest.mark.parametrize("owner", ["vllm", "llamacpp"])
+def test_the_generated_ids_are_asked_of_engines_that_return_them_and_win_over_the_text(
+    engine, tokenizer, stop_ids, local_records, tmp_path, owner, caplog
+):
+    engine.owner = owner
+    prompts = make_prompts(6)
+    with caplog.at_level("WARNING", logger="hf_dflash"):
+        path = regenerate_responses_with_server(
+            tokenizer, prompts, tmp_path / "out.jsonl", server_url=engine.url, stop_ids=stop_ids, **FAST
+        )
+    assert by_id(read_records(path)) == {p.id: local_records[p.id] for p in prompts}  # one stop id, not two
+    fields = {"vllm": {"return_token_ids"}, "llamacpp": {"return_tokens", "verbose"}}[owner]
+    assert all(fields <= set(request) for request in engine.requests)
+    assert "re-tokenized" not in caplog.text
+
+
+def test_an_engine_not_known_to_return_ids_gets_a_warning_unless_extra_body_asks_for_them(
+    engine, tokenizer, stop_ids, local_records, tmp_path, caplog
+):
+    prompts = make_prompts(2)
+    with caplog.at_level("WARNING", logger="hf_dflash"):
+        regenerate_responses_with_server(
+            tokenizer, prompts, tmp_path / "text.jsonl", server_url=engine.url, stop_ids=stop_ids, **FAST
+        )
+    assert "re-tokenized" in caplog.text and "return_token_ids" in caplog.text  # the fix, named
+    assert not any("return_token_ids" in request for request in engine.requests)  # nothing unasked-for sent
+    caplog.clear()
+    engine.owner = "vllm-behind-a-proxy"  # an owner not in TOKEN_ID_FIELDS, whose engine returns ids when asked
+    with caplog.at_level("WARNING", logger="hf_dflash"):
+        path = regenerate_responses_with_server(
+            tokenizer, prompts, tmp_path / "ids.jsonl", server_url=engine.url, stop_ids=stop_ids,
+            extra_body={"return_token_ids": True}, **FAST,
+        )  # fmt: skip
+    assert "re-tokenized" not in caplog.text
+    assert by_id(read_records(path)) == {p.id: local_records[p.id] for p in prompts}

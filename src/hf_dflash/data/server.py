@@ -6,13 +6,16 @@ llama.cpp's server all answer ``POST /v1/completions``) can have that engine wri
 
 - **The same records in the same file.** Prompt ids are the local tokenizer's chat-template encoding
   (``chat.encode_prompt``) and the server is sent the very text that encoding tokenizes
-  (``chat.apply_chat_template``). The answer's ``choices[0].text`` is tokenized without special tokens; a
-  ``"stop"`` finish gets its end-of-turn token appended (the stop id the server names in ``stop_reason`` /
-  ``matched_stop`` when it names one, else ``turn_end_id``: the stop id closing an assistant turn in the
-  template, ``chat.assistant_turn_closer``), so the record ends like a locally generated one; a ``"length"`` finish leaves it unfinished.
-  Records equal the local ones token for token when decoding then encoding a response round-trips, which holds
-  for most text but not all (a BPE may merge differently across what were two tokens; engines drop special
-  tokens from the text unless told otherwise).
+  (``chat.apply_chat_template``). The response is the ids the engine generated where it returns them: the
+  engines whose ``GET /models`` names them as owner are asked to (``TOKEN_ID_FIELDS``: vLLM's
+  ``choices[0].token_ids``, llama.cpp's ``__verbose.tokens``). Otherwise ``choices[0].text`` is tokenized without
+  special tokens, with a warning: re-encoding text splits some of it differently from how the model generated it
+  (SmolLM2 through llama.cpp's text: 0.56% of response tokens were not the target's own choice, the first often a
+  ``"\n\n"`` re-encoded as two ``"\n"``; ``benchmarks/results/data/label_agreement.json``). A ``"stop"`` finish
+  that does not end in a stop id gets its end-of-turn token appended (the stop id the server names in
+  ``stop_reason`` / ``matched_stop`` when it names one, else ``turn_end_id``: the stop id closing an assistant
+  turn in the template, ``chat.assistant_turn_closer``), so the record ends like a locally generated one; a
+  ``"length"`` finish leaves it unfinished.
 - **One writer.** Worker threads (``concurrent.futures``, ``urllib``; no extra dependency) only send
   requests; the main thread writes the answers through the loop local regeneration uses
   (``regenerate.regenerate_records``): those that arrived at each wake-up as one write, flushed and fsynced, so a
@@ -58,6 +61,8 @@ logger = transformers.utils.logging.get_logger(__name__)
 STOP_FINISHES = ("stop", "eos_token")
 LENGTH_FINISH = "length"
 MAX_BACKOFF_S = 60.0  # no single wait between retries is longer, whatever Retry-After asks
+# Request fields that make an engine return the ids it generated, by the `owned_by` its `GET /models` lists.
+TOKEN_ID_FIELDS = {"vllm": {"return_token_ids": True}, "llamacpp": {"return_tokens": True, "verbose": True}}
 
 
 def api_base(server_url: str) -> str:
@@ -182,10 +187,20 @@ def _answered_batches(
 
     Each answer's finish reason is counted in ``finishes``, and its empty responses as ``"empty"``.
     """
-    model = job.model or client.first_model_id()
+    model, owner = client.served_model(job.model)
     turn_end = turn_end_id(tokenizer, job.stop_ids)
     logger.info(f"Regenerating {len(todo)} responses on {client.url} (model {model!r}, {job.concurrency} at a time)")
-    requests = [job.request(model, apply_chat_template(tokenizer, prompt), prompt.id) for prompt, _ in todo]
+    id_fields = TOKEN_ID_FIELDS.get(owner, {})
+    if not id_fields and not set(job.extra_body) & {f for fields in TOKEN_ID_FIELDS.values() for f in fields}:
+        logger.warning(
+            f"{client.url} (owner {owner!r}) is not known to return the generated token ids: responses are its text "
+            "re-tokenized, which splits some tokens differently from how the model generated them (0.56% of response "
+            "tokens on SmolLM2 through llama.cpp's text). Pass extra_body fields that make it return "
+            "choices[0].token_ids (vLLM: return_token_ids) to keep the generated ids."
+        )
+    requests = [
+        id_fields | job.request(model, apply_chat_template(tokenizer, prompt), prompt.id) for prompt, _ in todo
+    ]
     return _tallied(client, job, tokenizer, todo, requests, turn_end, finishes)
 
 
@@ -258,9 +273,11 @@ def _request_seed(seed: int, prompt_id: str) -> int:
 
 
 def _response(choice: dict, tokenizer, stop_ids: list[int], turn_end: int | None) -> list[int]:
-    """The ids of one answer: its text's tokens, and its end-of-turn token if it stopped."""
-    response = tokenizer(choice["text"], add_special_tokens=False).input_ids
-    if choice["finish_reason"] in STOP_FINISHES:
+    """The ids of one answer (the generated ones when the server returned them, else its text's tokens), ending in
+    an end-of-turn token if it stopped."""
+    ids = choice.get("token_ids")
+    response = list(ids) if ids is not None else tokenizer(choice["text"], add_special_tokens=False).input_ids
+    if choice["finish_reason"] in STOP_FINISHES and not (response and response[-1] in stop_ids):
         named = choice.get("stop_reason", choice.get("matched_stop"))  # vLLM's, SGLang's name of the stop token
         end = named if isinstance(named, int) and named in stop_ids else turn_end
         response += [end] if end is not None else []
@@ -285,16 +302,25 @@ class _Client:
     api_key: str | None = None
     stop: threading.Event = field(default_factory=threading.Event)
 
-    def first_model_id(self) -> str:
-        """The first model ``GET {url}/models`` lists."""
+    def served_model(self, model: str | None) -> tuple[str, str | None]:
+        """``(model, owner)``: ``model``, or the first model ``GET {url}/models`` lists when it is ``None``, and the
+        ``owned_by`` listed for it (``None`` when not listed, or when a given model's server lists no models)."""
         url = f"{self.url}/models"
-        answer = self._with_retries(lambda: _parse_json(self._send(url, None), url), "GET /models")
+        try:
+            answer = self._with_retries(lambda: _parse_json(self._send(url, None), url), "GET /models")
+        except (RuntimeError, ValueError):  # a proxy that serves no /models: fine when the model is named
+            if model is None:
+                raise
+            return model, None
         models = answer.get("data") if isinstance(answer, dict) else None
-        first = models[0] if isinstance(models, list) and models else None
-        if not isinstance(first, dict) or not isinstance(first.get("id"), str):
-            raise ValueError(f"{url} lists no model ({_snippet(answer)}); pass model=... explicitly")
-        logger.info(f"{url}: using model {first['id']!r}")
-        return first["id"]
+        listed = [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+        if model is None:
+            if not listed or not isinstance(listed[0].get("id"), str):
+                raise ValueError(f"{url} lists no model ({_snippet(answer)}); pass model=... explicitly")
+            model = listed[0]["id"]
+            logger.info(f"{url}: using model {model!r}")
+        owner = next((m.get("owned_by") for m in listed if m.get("id") == model), None)
+        return model, owner if isinstance(owner, str) else None
 
     def complete(self, request: dict, prompt_id: str) -> dict:
         """``choices[0]`` of the server's answer to one completions request (``text``, ``finish_reason``, ...)."""
@@ -352,7 +378,9 @@ def _parse_json(body: bytes, url: str):
 
 
 def _parse_choice(body: bytes, url: str) -> dict:
-    """``choices[0]`` of a completions answer, checked to hold a ``text`` and a known ``finish_reason``."""
+    """``choices[0]`` of a completions answer, checked to hold a ``text`` and a known ``finish_reason``, with the
+    generated ids under ``token_ids`` where the answer holds them (vLLM puts them there; llama.cpp in
+    ``__verbose.tokens``)."""
     answer = _parse_json(body, url)
     choices = answer.get("choices") if isinstance(answer, dict) else None
     choice = choices[0] if isinstance(choices, list) and choices else None
@@ -365,7 +393,13 @@ def _parse_choice(body: bytes, url: str) -> dict:
             f"{url} answered with finish_reason {choice.get('finish_reason')!r}; expected one of "
             f"{', '.join((*STOP_FINISHES, LENGTH_FINISH))}"
         )
-    return choice
+    verbose = answer.get("__verbose")
+    ids = choice.get("token_ids", verbose.get("tokens") if isinstance(verbose, dict) else None)
+    if ids is None:
+        return choice
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"{url} answered with token ids that are not a list of integers: {_snippet(ids)}")
+    return choice | {"token_ids": ids}
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:
