@@ -190,18 +190,25 @@ def _answered_batches(
     model, owner = client.served_model(job.model)
     turn_end = turn_end_id(tokenizer, job.stop_ids)
     logger.info(f"Regenerating {len(todo)} responses on {client.url} (model {model!r}, {job.concurrency} at a time)")
-    id_fields = TOKEN_ID_FIELDS.get(owner, {})
-    if not id_fields and not set(job.extra_body) & {f for fields in TOKEN_ID_FIELDS.values() for f in fields}:
-        logger.warning(
-            f"{client.url} (owner {owner!r}) is not known to return the generated token ids: responses are its text "
-            "re-tokenized, which splits some tokens differently from how the model generated them (0.56% of response "
-            "tokens on SmolLM2 through llama.cpp's text). Pass extra_body fields that make it return "
-            "choices[0].token_ids (vLLM: return_token_ids) to keep the generated ids."
-        )
+    id_fields = _token_id_fields(owner, job.extra_body, client.url)
     requests = [
         id_fields | job.request(model, apply_chat_template(tokenizer, prompt), prompt.id) for prompt, _ in todo
     ]
     return _tallied(client, job, tokenizer, todo, requests, turn_end, finishes)
+
+
+def _token_id_fields(owner: str | None, extra_body: dict, url: str) -> dict:
+    """The request fields that make the engine `owner` return its generated ids; a warning naming the fix when it is
+    not known to and `extra_body` asks for none."""
+    fields = TOKEN_ID_FIELDS.get(owner, {})
+    if not fields and not set(extra_body) & {name for known in TOKEN_ID_FIELDS.values() for name in known}:
+        logger.warning(
+            f"{url} (owner {owner!r}) is not known to return the generated token ids: responses are its text "
+            "re-tokenized, which splits some tokens differently from how the model generated them (0.56% of response "
+            "tokens on SmolLM2 through llama.cpp's text). Pass extra_body fields that make it return "
+            "choices[0].token_ids (vLLM: return_token_ids) to keep the generated ids."
+        )
+    return fields
 
 
 def _tallied(
