@@ -347,5 +347,7 @@ def test_label_agreement_finds_the_one_response_token_that_is_not_the_targets_gr
     assert tokens == 6 and [d["token"] for d in found] == [9] and found[0]["logit_gap"] > 0
     prompt_changed = [greedy[0], (greedy[1] + 1) % target.config.vocab_size, *greedy[2:]]  # prompt tokens: not counted
     assert all(d["token"] >= 4 for d in agreement.record_disagreements(target, prompt_changed, loss_mask)[1])
+    assert list(range(20))[agreement.record_slice("3:11", 4)] == [3, 7]  # --every when the slice has no step
+    assert list(range(20))[agreement.record_slice("12::5", 4)] == [12, 17]
     report = agreement.summary([(6, []), (tokens, found)])
     assert report["share_agreeing"] == round(11 / 12, 6) and report["records_with_a_disagreement"] == 1

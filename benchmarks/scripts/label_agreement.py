@@ -7,9 +7,10 @@ response position, whether the record's token is the target's argmax given the r
 it keeps the gap between the two logits and the target's probability of its own choice: a near-tie there is a label the
 target itself would give at another batch size or kernel; a large gap would be a wrong label.
 
-`--ranges` measures slices of the file apart (records written before and after a change to the regeneration).
+`--ranges` measures slices of the file apart (records written before and after a change to the regeneration), each
+`START:END[:STEP]` as a Python slice of its records (every `--every`-th when STEP is left out).
 
-    python benchmarks/scripts/label_agreement.py --records ../data/records.jsonl --every 50 \
+    python benchmarks/scripts/label_agreement.py --records ../data/records.jsonl --ranges 0:11199:50 11199::4 \
         --output benchmarks/results/data/label_agreement.json
 """
 
@@ -53,6 +54,12 @@ def record_disagreements(target, input_ids: list[int], loss_mask: list[int]) -> 
     return int(response.sum()), disagreements
 
 
+def record_slice(spec: str, every: int) -> slice:
+    """`START:END[:STEP]` as a slice (START 0, END the file's end, STEP `every` when left out)."""
+    start, end, step = (spec.split(":") + [""])[:3]
+    return slice(int(start or 0), int(end) if end else None, int(step or every))
+
+
 def summary(per_record: list[tuple[int, list[dict]]]) -> dict:
     """Agreement over all response tokens, the records holding any disagreement, and the gaps where they part."""
     tokens = sum(count for count, _ in per_record)
@@ -75,7 +82,7 @@ def main() -> None:
     parser.add_argument("--records", required=True, type=Path)
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--every", type=int, default=50, help="read every N-th record (spread over the file)")
-    parser.add_argument("--ranges", nargs="+", default=["0:"], help="START:END record slices, each measured apart")
+    parser.add_argument("--ranges", nargs="+", default=["0:"], help="START:END[:STEP] slices, each measured apart")
     parser.add_argument("--output", required=True, type=Path)
     args = parser.parse_args()
 
@@ -84,13 +91,12 @@ def main() -> None:
     target, _ = load_target_and_tokenizer(args.target, device="cpu")
     measured = {}
     for spec in args.ranges:
-        start, _, end = spec.partition(":")
-        records = [json.loads(line) for line in lines[int(start) : int(end) if end else None][:: args.every]]
+        records = [json.loads(line) for line in lines[record_slice(spec, args.every)]]
         measured[spec] = summary([record_disagreements(target, r["input_ids"], r["loss_mask"]) for r in records])
     report = {
         "question": "Are the engine-regenerated records the target's own greedy outputs, token by token?",
         "conditions": f"{args.target} in fp32 on {platform.machine()} ({os.cpu_count()} CPU cores), torch "
-        f"{torch.__version__}; every {args.every}-th record of each range of {args.records.name}",
+        f"{torch.__version__}; the record slices of {args.records.name} that `ranges` names",
         "command": " ".join(["python", *sys.argv]),
         "ranges": measured,
     }
