@@ -261,21 +261,26 @@ def test_the_held_out_slice_is_spread_over_sources_and_left_out_of_the_pool():
     assert [p.id for p in prompt_pool.unique(repeated)] == [p.id for p in prompts[:3]]  # same text or id: dropped
 
 
-def test_scaling_curve_subsets_are_prefixes_written_once_and_a_short_file_is_refused(tmp_path):
+def test_scaling_curve_subsets_are_nested_draws_from_the_largest_written_once_and_a_short_file_is_refused(tmp_path):
     scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
     assert scaling.Point.parse("3x:5718:16") == scaling.Point("3x", 5718, 16)
     records = tmp_path / "records.jsonl"
-    records.write_text("".join(f'{{"id": {i}}}\n' for i in range(5)) + '{"id": 5')  # a torn last line
-    first = scaling.subset(records, 3, tmp_path / "work")
-    assert first.read_text().splitlines() == ['{"id": 0}', '{"id": 1}', '{"id": 2}']
+    records.write_text("".join(f'{{"id": {i}}}\n' for i in range(40)) + '{"id": 40')  # a torn last line
+    small, large = (scaling.subset(records, n, 30, tmp_path / "work").read_text().splitlines() for n in (5, 15))
+    assert large[:5] == small and len(set(large)) == 15  # the smaller point's records are inside the larger one's
+    drawn = {json.loads(line)["id"] for line in large}
+    assert drawn <= set(range(30)) and drawn != set(range(15))  # from the first 30, in a shuffle (early and late)
     records.write_text("")
-    assert scaling.subset(records, 3, tmp_path / "work") == first  # written once: the records may grow meanwhile
-    with pytest.raises(SystemExit, match="holds 0 complete records, not 6"):
-        scaling.subset(records, 6, tmp_path / "work")
+    assert scaling.subset(records, 5, 30, tmp_path / "work").read_text().splitlines() == small  # written once
+    with pytest.raises(SystemExit, match="holds 0 complete records, not 30"):
+        scaling.subset(records, 6, 30, tmp_path / "work")
     records.write_text('{"id": 0}\n{"id": 1')
-    with pytest.raises(SystemExit, match="holds 2 complete records, not 2"):
-        scaling.subset(records, 2, tmp_path / "work")
-    assert sorted(path.name for path in (tmp_path / "work").iterdir()) == ["records-3.jsonl"]
+    with pytest.raises(SystemExit, match="holds 1 complete records, not 2"):
+        scaling.subset(records, 1, 2, tmp_path / "work")
+    assert sorted(path.name for path in (tmp_path / "work").iterdir()) == [
+        "records-15-of-30.jsonl",
+        "records-5-of-30.jsonl",
+    ]
 
 
 def test_only_the_named_points_are_measured_at_their_checkpoints():

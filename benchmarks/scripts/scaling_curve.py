@@ -1,7 +1,9 @@
 """Whole-block tau against training data size and steps: does more regenerated data make the drafter better?
 
-Each point trains a drafter on the first N records of one regenerated file (`scripts/prompt_pool.py` shuffles the
-pool, so every prefix samples every source) with the same recipe and optimizer budget, then measures greedy
+Each point trains a drafter on N records of one regenerated file with the same recipe and optimizer budget: the first
+N of one seeded shuffle of the records the largest point takes, so a smaller point's records are inside a larger one's
+and every point holds records written early and late in the same shares (the regeneration changed on the way: records
+after the first 11,199 hold the engine's generated ids, earlier ones its text re-tokenized), then measures greedy
 whole-block tau (`speculative_generate` without verify costs: the drafter's acceptance, free of the planner and of
 timing) on held-out prompts of the training distribution and on the first prompts of the three benchmark sets.
 `--eval_steps` also measures the checkpoints a point saved on the way, for tau against steps.
@@ -25,6 +27,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -69,18 +72,21 @@ class Point:
         return cls(name, int(records), int(block_size))
 
 
-def subset(records: Path, count: int, folder: Path) -> Path:
-    """The first `count` lines of `records`, written once (atomically); refused if the file holds fewer."""
-    path = folder / f"records-{count}.jsonl"
+def subset(records: Path, count: int, draw_from: int, folder: Path) -> Path:
+    """The first `count` of the first `draw_from` lines of `records` in a seeded shuffle, written once (atomically);
+    refused if the file holds fewer than `draw_from` complete lines."""
+    path = folder / f"records-{count}-of-{draw_from}.jsonl"
     if path.is_file():
         return path
     with open(records, encoding="utf-8") as file:
-        lines = list(itertools.islice(file, count))
-    if len(lines) < count or not lines[-1].endswith("\n"):
-        raise SystemExit(f"{records} holds {len(lines)} complete records, not {count}: regenerate more first.")
+        lines = list(itertools.islice(file, draw_from))
+    if len(lines) < draw_from or not lines[-1].endswith("\n"):
+        complete = len(lines) - (bool(lines) and not lines[-1].endswith("\n"))
+        raise SystemExit(f"{records} holds {complete} complete records, not {draw_from}: regenerate more first.")
+    random.Random(0).shuffle(lines)
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
-        Path(tmp).write_text("".join(lines), encoding="utf-8")
+        Path(tmp).write_text("".join(lines[:count]), encoding="utf-8")
     return path
 
 
@@ -232,10 +238,10 @@ def main() -> None:
                 {"point": name, "records": None, "block_size": block_size, "step": None, "drafter": folder, **result}
             )
             save(report, args.output)
+    draw_from = max(point.records for point in points)
     for point in points:
-        drafter = train(
-            point, subset(args.records, point.records, args.work), args.work, args.max_steps, args.save_steps
-        )
+        data = subset(args.records, point.records, draw_from, args.work)
+        drafter = train(point, data, args.work, args.max_steps, args.save_steps)
         for step in measured_steps(point, args.eval_steps, args.eval_steps_points, args.max_steps):
             if (point.name, step) in done:
                 continue
