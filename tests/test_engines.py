@@ -313,3 +313,65 @@ def test_openvino_runs_the_committed_drafter_with_a_mean_accepted_length_above_1
     record_property("openvino_mean_accepted_length", mean_accepted_length)  # in the JUnit report (--junitxml)
     assert all(run.accepted_tokens > 0 and run.text for run in runs)
     assert mean_accepted_length > 1.2, f"GenAI's mean accepted length on 2 GSM8K prompts: {mean_accepted_length:.3f}"
+
+
+@pytest.mark.slow
+def test_llama_server_records_hold_the_ids_it_generated(tmp_path, caplog):
+    """`regenerate_responses_with_server` on llama.cpp's own server (the package's GGUF, one slot): the engine is
+    recognized and asked for its ids (no re-tokenizing warning), and each record's response is the token list its
+    native `/completion` returns for the same prompt, a stop token included once."""
+    import json
+    import subprocess
+    import time
+    import urllib.request
+
+    try:
+        server_program = llama_cpp.find_llama_cpp().tool("llama-server")
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from hf_dflash.data.chat import apply_chat_template, end_of_turn_ids
+    from hf_dflash.data.prompts import load_prompts
+    from hf_dflash.data.server import regenerate_responses_with_server
+    from hf_dflash.targets import converted_target_folder, locate_gguf
+
+    name, port = "smollm2-135m-instruct", 8097
+    folder = converted_target_folder(name)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    stop_ids = end_of_turn_ids(GenerationConfig.from_pretrained(folder), tokenizer)
+    command = [server_program, "-m", locate_gguf(name), "-np", "1", "-c", "2048", "-t", "2", "--port", str(port)]
+    server = subprocess.Popen([*map(str, command), "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return json.loads(answer.read())
+
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(1)
+        prompts = load_prompts("gsm8k", limit=2) + load_prompts("mt-bench", limit=1)
+        with caplog.at_level("WARNING", logger="hf_dflash"):
+            path = regenerate_responses_with_server(
+                tokenizer, prompts, tmp_path / "records.jsonl", server_url=url, stop_ids=stop_ids,
+                max_new_tokens=96, max_prompt_tokens=1024, concurrency=1, progress=False,
+                extra_body={"cache_prompt": False},  # both runs process the prompt whole: the same numerics
+            )  # fmt: skip
+        records = {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+        for prompt in prompts:
+            body = {"prompt": apply_chat_template(tokenizer, prompt), "n_predict": 96, "temperature": 0.0}
+            body |= {"cache_prompt": False}
+            native = post("/completion", body | {"return_tokens": True})
+            record = records[prompt.id]
+            assert record["input_ids"][record["prompt_len"] :] == native["tokens"]
+            assert sum(token in stop_ids for token in native["tokens"]) == (native["stop_type"] == "eos")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert "re-tokenized" not in caplog.text
