@@ -621,7 +621,7 @@ def test_resizing_the_draft_vocabulary_keeps_the_layers_and_the_shared_rows_scor
     hidden = torch.randn(2, 3, draft.config.hidden_size)
     before = draft.draft_logits(hidden, target.get_output_embeddings())  # [2, 3, 16]
     layers = {name: tensor.clone() for name, tensor in draft.state_dict().items() if name != "d2t"}
-    draft.resize_draft_vocabulary(torch.arange(8, 40))  # 32 rows, half of them shared with the old 16
+    draft.resize_draft_vocabulary(torch.arange(8, 40))  # 32 rows, 8 of them (8..15) shared with the old 16
     after = draft.draft_logits(hidden, target.get_output_embeddings())  # [2, 3, 32]
     assert draft.config.draft_vocab_size == 32 and after.shape[-1] == 32
     assert draft.draft_token_ids.tolist() == list(range(8, 40))
