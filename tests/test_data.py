@@ -34,7 +34,13 @@ from hf_dflash.data.chat import (
 )
 from hf_dflash.data.evaluation import EVALUATION_SETS
 from hf_dflash.data.prompts import Prompt, load_prompts, prompt_set_path
-from hf_dflash.data.records import completed_ids, drop_torn_last_line, load_training_dataset, record_line
+from hf_dflash.data.records import (
+    completed_ids,
+    drop_torn_last_line,
+    load_training_dataset,
+    record_line,
+    records_summary,
+)
 from hf_dflash.data.regenerate import regenerate_records, regenerate_responses
 from hf_dflash.data.sources import (
     chat_messages,
@@ -424,6 +430,24 @@ def test_load_training_dataset_reads_valid_records(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="holds no records"):
         load_training_dataset(tmp_path / "empty.jsonl")
+
+
+def test_records_summary_counts_totals_endings_and_each_source(tmp_path):
+    records = [
+        {"id": "a/1", "source": "a", "input_ids": [5, 6, 2], "loss_mask": [0, 1, 1]},  # ended its turn (stop id 2)
+        {"id": "b/1", "source": "b", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]},  # hit the budget
+        {"id": "b/2", "source": "b", "input_ids": [5, 2], "loss_mask": [0, 1]},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = records_summary(path, stop_ids=[2])
+    assert (summary["records"], summary["supervised_tokens"], summary["ended_with_eos"]) == (3, 6, 2)
+    assert summary["mean_response_tokens"] == 2.0
+    assert summary["by_source"] == {
+        "b": {"records": 2, "supervised_tokens": 4},
+        "a": {"records": 1, "supervised_tokens": 2},
+    }
+    assert list(summary["by_source"]) == ["b", "a"]  # largest first
 
 
 def test_the_committed_ablation_data_was_regenerated_from_filtered_prompts_only():

@@ -126,16 +126,24 @@ def load_training_dataset(path: str | os.PathLike) -> datasets.Dataset:
 
 
 def records_summary(path: str | os.PathLike, stop_ids: list[int]) -> dict[str, Any]:
-    """What a records JSONL holds: records, supervised (loss-masked) tokens, mean response length, and how many
-    responses ended their turn (a stop id last) rather than at the token budget."""
+    """What a records JSONL holds: records, supervised (loss-masked) tokens, mean response length, how many
+    responses ended their turn (a stop id last) rather than at the token budget, and records and supervised tokens
+    per prompt source (``by_source``, largest first)."""
     records = load_training_dataset(path)
-    supervised = sum(sum(mask) for mask in records["loss_mask"])
+    supervised_per_record = [sum(mask) for mask in records["loss_mask"]]
+    by_source: dict[str, dict[str, int]] = {}
+    for source, supervised in zip(records["source"], supervised_per_record):
+        counts = by_source.setdefault(source, {"records": 0, "supervised_tokens": 0})
+        counts["records"] += 1
+        counts["supervised_tokens"] += supervised
+    total = sum(supervised_per_record)
     return {
         "path": str(path),
         "records": len(records),
-        "supervised_tokens": supervised,
-        "mean_response_tokens": round(supervised / len(records), 1),
+        "supervised_tokens": total,
+        "mean_response_tokens": round(total / len(records), 1),
         "ended_with_eos": sum(ids[-1] in stop_ids for ids in records["input_ids"]),
+        "by_source": dict(sorted(by_source.items(), key=lambda item: -item[1]["supervised_tokens"])),
     }
 
 
