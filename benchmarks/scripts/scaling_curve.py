@@ -142,33 +142,44 @@ def save(report: dict, path: Path) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Tau per prompt set against records (final drafters, per block size) and against steps (per point)."""
+    """Tau per prompt set (one colour each) against records (final drafters; a line style per block size, the
+    baseline drafters dotted across) and against steps (per point)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     results, sets = report["results"], list(report["conditions"]["prompts"])
     final = report["conditions"]["max_steps"]
+    colour = {name: f"C{index}" for index, name in enumerate(sets)}
+    baseline_style = {"linestyle": (0, (1, 3)), "linewidth": 1}
     fig, (by_data, by_steps) = plt.subplots(1, 2, figsize=(11, 4))
-    for (block_size, name), marker in zip(
-        itertools.product(sorted({r["block_size"] for r in results}), sets), "os^vD<>p" * 4
-    ):
+    block_sizes = sorted({r["block_size"] for r in results if r["records"] is not None})
+    styles = dict(zip(block_sizes, ["o-", "s--", "^:"]))
+    for (block_size, style), name in itertools.product(styles.items(), sets):
         points = sorted(
             (r["records"], r["tau"][name]) for r in results if r["step"] == final and r["block_size"] == block_size
         )
         if points:
-            by_data.plot(*zip(*points), marker=marker, label=f"{name}, block {block_size}")
+            by_data.plot(*zip(*points), style, color=colour[name])
+    baselines = [r for r in results if r["records"] is None]
+    for baseline, name in itertools.product(baselines, sets):
+        by_data.axhline(baseline["tau"][name], color=colour[name], **baseline_style)
     for point, name in itertools.product(sorted({r["point"] for r in results}), sets):
         points = sorted((r["step"], r["tau"][name]) for r in results if r["point"] == point)
         if len(points) > 1:
-            by_steps.plot(*zip(*points), marker="o", label=f"{name}, {point}")
+            by_steps.plot(*zip(*points), "o-", color=colour[name], label=f"{name}, {point}")
+    keys = [Line2D([], [], color=colour[name], label=name) for name in sets]
+    keys += [Line2D([], [], color="k", linestyle=s[1:], marker=s[0], label=f"block {b}") for b, s in styles.items()]
+    keys += [Line2D([], [], color="k", label=f"{r['point']} drafter", **baseline_style) for r in baselines]
+    by_data.legend(handles=keys, fontsize=7)
     by_data.set(xscale="log", xlabel="training records", ylabel="whole-block tau (greedy)", title="tau against data")
     by_steps.set(xlabel="optimizer steps", ylabel="whole-block tau (greedy)", title="tau against steps")
+    if by_steps.get_legend_handles_labels()[0]:  # nothing is drawn there until a point's checkpoints are measured
+        by_steps.legend(fontsize=7)
     for axes in (by_data, by_steps):
         axes.grid(alpha=0.3)
-        if axes.get_legend_handles_labels()[0]:  # a panel with nothing drawn yet has no legend
-            axes.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
