@@ -171,7 +171,10 @@ def plot(report: dict, path: Path) -> None:
         if len(points) > 1:
             by_steps.plot(*zip(*points), "o-", color=colour[name], label=f"{name}, {point}")
     keys = [Line2D([], [], color=colour[name], label=name) for name in sets]
-    keys += [Line2D([], [], color="k", linestyle=s[1:], marker=s[0], label=f"block {b}") for b, s in styles.items()]
+    keys += [
+        Line2D([], [], color="k", linestyle=style[1:], marker=style[0], label=f"block {block_size}")
+        for block_size, style in styles.items()
+    ]
     keys += [Line2D([], [], color="k", label=f"{r['point']} drafter", **baseline_style) for r in baselines]
     by_data.legend(handles=keys, fontsize=7)
     by_data.set(xscale="log", xlabel="training records", ylabel="whole-block tau (greedy)", title="tau against data")
