@@ -283,12 +283,15 @@ def test_scaling_curve_subsets_are_nested_draws_from_the_largest_written_once_an
     ]
 
 
-def test_only_the_named_points_are_measured_at_their_checkpoints():
+def test_only_the_named_points_are_measured_at_their_checkpoints_and_only_once():
     scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
     ten, one = scaling.Point("10x", 19060, 8), scaling.Point("1x", 1906, 8)
-    assert scaling.measured_steps(ten, [400, 800], ["10x"], 1600) == [400, 800, 1600]
-    assert scaling.measured_steps(one, [400, 800], ["10x"], 1600) == [1600]
-    assert scaling.measured_steps(one, [400, 800], None, 1600) == [400, 800, 1600]  # default: every point
+    assert scaling.steps_to_measure(ten, [400, 800], ["10x"], 1600, set()) == [400, 800, 1600]
+    assert scaling.steps_to_measure(one, [400, 800], ["10x"], 1600, set()) == [1600]
+    assert scaling.steps_to_measure(one, [400, 800], None, 1600, set()) == [400, 800, 1600]  # default: every point
+    done = {("10x", 400), ("1x", 1600)}
+    assert scaling.steps_to_measure(ten, [400, 800], ["10x"], 1600, done) == [800, 1600]
+    assert scaling.steps_to_measure(one, [400, 800], ["10x"], 1600, done) == []  # so it is not trained again
 
 
 def test_a_scaling_report_measured_otherwise_is_refused_not_mixed(tmp_path):

@@ -105,12 +105,13 @@ def train(point: Point, data: Path, work: Path, max_steps: int, save_steps: int)
     return output
 
 
-def measured_steps(point: Point, eval_steps: list[int], eval_points: list[str] | None, max_steps: int) -> list[int]:
-    """The steps at which `point`'s drafter is measured: its final one, and `eval_steps` if it is one of
-    `eval_points` (every point when None)."""
-    if eval_points is not None and point.name not in eval_points:
-        return [max_steps]
-    return [*eval_steps, max_steps]
+def steps_to_measure(
+    point: Point, eval_steps: list[int], eval_points: list[str] | None, max_steps: int, done: set[tuple[str, int]]
+) -> list[int]:
+    """The steps at which `point`'s drafter is still to be measured: its final one, and `eval_steps` if it is one of
+    `eval_points` (every point when None), less the (point, step) pairs in `done`."""
+    steps = [max_steps] if eval_points is not None and point.name not in eval_points else [*eval_steps, max_steps]
+    return [step for step in steps if (point.name, step) not in done]
 
 
 def measure(target, tokenizer, drafter: Path, prompts: dict, max_new_tokens: int) -> dict:
@@ -254,11 +255,12 @@ def main() -> None:
             save(report, args.output)
     draw_from = max(point.records for point in points)
     for point in points:
+        steps = steps_to_measure(point, args.eval_steps, args.eval_steps_points, args.max_steps, done)
+        if not steps:  # measured already, perhaps from records and a drafter since lost: nothing to train again
+            continue
         data = subset(args.records, point.records, draw_from, args.work)
         drafter = train(point, data, args.work, args.max_steps, args.save_steps)
-        for step in measured_steps(point, args.eval_steps, args.eval_steps_points, args.max_steps):
-            if (point.name, step) in done:
-                continue
+        for step in steps:
             folder = drafter if step == args.max_steps else drafter / f"checkpoint-{step}"
             result = measure(target, tokenizer, folder, prompts, args.max_new_tokens)
             report["results"].append(
