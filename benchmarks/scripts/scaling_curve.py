@@ -8,7 +8,8 @@ whole-block tau (`speculative_generate` without verify costs: the drafter's acce
 timing) on held-out prompts of the training distribution and on the first prompts of the three benchmark sets.
 `--eval_steps` also measures the checkpoints a point saved on the way, for tau against steps.
 
-Everything resumes: a subset file, a finished drafter or a measured (point, step) is never redone, an interrupted
+Everything resumes: a subset file, a finished drafter or a measured (point, step) is never redone (a point measured
+at every step is not even trained, so the report outlives the drafters), an interrupted
 training continues from its latest checkpoint (`--resume_from_checkpoint`), and the target's features are kept per
 sequence on disk in fp16 (`--target_features_storage disk`), shared by all points (a 3x subset holds the 1x one).
 The report (JSON, rewritten after every measurement) and its plot go where `--output` says; the last thing printed is
