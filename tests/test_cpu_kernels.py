@@ -116,10 +116,17 @@ def test_exact_block_forward_logits_equal_one_token_forwards_bitwise(family, dty
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stock_kernels_do_not_give_those_bits_the_control(dtype):
-    target = make_target("llama", dtype=dtype)
-    target.set_attn_implementation("sdpa")
-    block, singles = _block_and_single_token_logits(target)
-    assert not torch.equal(block, singles)
+    """Without exact mode the bitwise test above fails for some family, so it shows something on this CPU. Which
+    families depends on the CPU: on the AVX2 EPYC of earlier runs llama differed in both dtypes; on a Xeon with
+    AMX-BF16 the stock bf16 products are row-invariant and only mistral's and gemma3's sdpa (sliding windows) differ."""
+    differing = []
+    for family in EXACT_FAMILIES:
+        target = make_target(family, dtype=dtype)
+        target.set_attn_implementation("sdpa")
+        block, singles = _block_and_single_token_logits(target)
+        if not torch.equal(block, singles):
+            differing.append(family)
+    assert differing, f"stock {dtype} kernels give every family the exact bits on this CPU"
 
 
 # -- token identity ----------------------------------------------------------------------------------------------------
@@ -127,7 +134,7 @@ def test_stock_kernels_do_not_give_those_bits_the_control(dtype):
 
 @pytest.mark.parametrize("family", EXACT_FAMILIES)
 def test_exact_mode_bf16_greedy_is_token_identical_on_both_paths(family):
-    """bf16 rounds a block forward's logits differently from one-token forwards with stock kernels; exact mode
+    """bf16 can round a block forward's logits differently from one-token forwards with stock kernels; exact mode
     makes greedy speculative decoding (trees, chains, `generate(assistant_model=...)`) plain decoding's tokens."""
     target = make_target(family, dtype=torch.bfloat16)
     optimize_for_cpu(target, exact=True)
