@@ -605,7 +605,8 @@ def test_the_openvino_peer_runs_token_ids_with_an_f32_kv_cache_and_counts_drafte
     (plain,) = engine.plain(PROMPTS[:1], None, 5)
     (dflash,) = engine.dflash(PROMPTS[:1], None, 5)
     assert calls[0][1] == [PROMPTS[0].input_ids.tolist()] and calls[1][2]["with_draft"]
-    assert calls[1][2]["block_size"] == 8 and calls[1][2]["properties"] == {"KV_CACHE_PRECISION": "f32"}
+    assert calls[1][2]["block_size"] == 8
+    assert calls[1][2]["properties"] == {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
     assert (plain.mean_accepted_length, plain.draft_passes) == (None, None)
     assert (dflash.mean_accepted_length, dflash.draft_passes, dflash.tokens_per_s) == (2.0, 2, 40.0)
 

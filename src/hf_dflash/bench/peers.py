@@ -36,8 +36,9 @@ from hf_dflash.engines.llama_cpp import EngineRun
 logger = logging.get_logger(__name__)
 
 # GenAI's default KV cache on CPU is u8, which flips near-ties between 8-token and one-token forwards; in f32 its DFlash
-# text equals its plain text (benchmarks/results/engine_parity_openvino.json).
-OPENVINO_PROPERTIES = {"KV_CACHE_PRECISION": "f32"}
+# text equals its plain text (benchmarks/results/engine_parity_openvino.json). The inference precision is asked for
+# too: on CPUs with AVX512-BF16 it defaults to bf16, and GenAI's paged attention then refuses an f32 cache.
+OPENVINO_PROPERTIES = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 
 
 class PeerEngine(Protocol):
