@@ -54,14 +54,25 @@ if [ ! -f "$LLAMA_CPP/CMakeLists.txt" ]; then
     mv "$download/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION" "$SOURCE"  # whole or not at all
 fi
 
+# Native code but no AMX: on an Intel Xeon VM whose CPU lists AMX (Firecracker kernel), ggml's AMX kernels for
+# quantized weights die with SIGILL on the first batch of a few tokens (tileloadd, though a one-shot AMX program runs
+# there), so any Q4 GGUF fails; GCC lets these -mno-* win over -march=native's. A build made with other flags (the
+# marker file holds them) is rebuilt.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_CURL=OFF
+    -DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
+MARKER="$BUILD/hf-dflash-cmake-flags.txt"
+if [ -d "$BUILD" ] && [ "$(cat "$MARKER" 2>/dev/null)" != "${CMAKE_FLAGS[*]}" ]; then
+    rm -rf "$BUILD"
+fi
 missing=()
 for tool in "${TOOLS[@]}"; do
     [ -x "$BUILD/bin/$tool" ] || missing+=("$tool")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
-    cmake -S "$LLAMA_CPP" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
-        -DLLAMA_CURL=OFF -DGGML_NATIVE=ON >/dev/null
+    cmake -S "$LLAMA_CPP" -B "$BUILD" "${CMAKE_FLAGS[@]}" >/dev/null
     cmake --build "$BUILD" -j "$(nproc)" --target "${missing[@]}" >/dev/null
+    echo "${CMAKE_FLAGS[*]}" >"$MARKER"
 fi
 for tool in "${TOOLS[@]}"; do
     [ -x "$BUILD/bin/$tool" ] || { echo "install_engines.sh: $tool was not built in $BUILD/bin" >&2; exit 1; }
