@@ -118,8 +118,8 @@ def test_exact_block_forward_logits_equal_one_token_forwards_bitwise(family, dty
 def test_stock_kernels_do_not_give_those_bits_the_control(dtype):
     """Without exact mode the bitwise test above fails for some family, so it shows something on this CPU. Which
     families depends on the CPU: on the AVX2 EPYC of earlier runs llama differed in both dtypes; on a Xeon with
-    AMX-BF16 the tiny targets' stock bf16 products round to the same bits (their rare fp32 differences vanish in bf16;
-    SmolLM2's do not), and only mistral's and gemma3's sdpa (sliding windows) differ."""
+    AMX-BF16 the tiny targets' stock bf16 products give the same bits (some weights' do not: SmolLM2's), and only
+    mistral's and gemma3's sdpa (sliding windows) differ."""
     differing = []
     for family in EXACT_FAMILIES:
         target = make_target(family, dtype=dtype)
