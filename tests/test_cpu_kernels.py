@@ -14,7 +14,8 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from hf_dflash import is_optimized_for_cpu, optimize_for_cpu, speculative_generate
-from hf_dflash.decoding import cpu_kernels
+from hf_dflash.decoding import cpu_attention, cpu_kernels
+from hf_dflash.decoding.attention_kernel import compiled_attention
 from hf_dflash.decoding.cpu_attention import EXACT_ATTENTION, FAST_ATTENTION, exact_attention_forward
 from hf_dflash.decoding.cpu_kernels import MEASURED_ROWS, KernelChoices, LinearKernel, PreparedLinear
 
@@ -48,14 +49,89 @@ def test_exact_linears_give_a_row_the_same_bits_alone_or_among_up_to_16(dtype):
                 assert torch.equal(linear(x[:rows]), alone[:rows]), (linear, rows)
 
 
-def _attention(query, key, value, mask=None):
+@pytest.fixture(params=["compiled", "torch"])
+def exact_attention(request, monkeypatch) -> str:
+    """Run a test on the compiled exact attention (which must build on this machine: CI has a compiler and ninja)
+    and on the pure-torch version used where it cannot be built."""
+    if request.param == "compiled":
+        assert compiled_attention() is not None, "the row-invariant attention kernel did not build here"
+    else:
+        monkeypatch.setattr(cpu_attention, "compiled_attention", lambda: None)
+    return request.param
+
+
+def test_products_in_fixed_chunks_are_the_product_for_any_row_count():
+    weight = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    calls = []
+
+    def product(x):
+        calls.append(x.shape[0])
+        return nn.functional.linear(x, weight)
+
+    for rows in (1, 5, 16, 17, 40):
+        calls.clear()
+        x = torch.randn(1, rows, 40)
+        out = cpu_kernels.in_fixed_chunks(product, x, 16)
+        torch.testing.assert_close(out, nn.functional.linear(x, weight))
+        assert calls == [16] * -(-rows // 16)  # every call over exactly 16 rows
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_where_no_kernel_is_row_invariant_exact_mode_runs_products_in_fixed_chunks(monkeypatch, family):
+    """As for some of SmolLM2's bf16 weights on AMX CPUs: the unchunked kernels fail the check (forced here), the
+    chunked ones pass, and the block forward gives the one-token bits and the model's logits."""
+    monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
+    target = make_target(family, dtype=torch.bfloat16)
+    ids = random_prompt(12, seed=3)[None]
     with torch.no_grad():
-        return exact_attention_forward(nn.Module(), query, key, value, mask)[0]  # [b, q, h, d]
+        stock = target(ids).logits.float()
+    preparation = optimize_for_cpu(target, exact=True)
+    assert {linear.kernel.chunk_rows for linear in preparation.linears} == {cpu_kernels.CHUNK_ROWS}
+    with torch.no_grad():
+        torch.testing.assert_close(target(ids).logits.float(), stock, atol=0.1, rtol=0.05)
+    block, singles = _block_and_single_token_logits(target)
+    assert torch.equal(block, singles)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (4, 4, 16)])
-def test_exact_attention_rows_match_one_query_calls_for_1_to_16_rows(dtype, heads, kv_heads, head_dim):
+def test_where_not_even_chunks_are_row_invariant_exact_mode_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: False)
+    target = make_target("llama", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="even in fixed chunks of 16 rows.*Use exact=False"):
+        optimize_for_cpu(target, exact=True)
+    assert not is_optimized_for_cpu(target)
+
+
+def _attention(query, key, value, mask=None, softcap=None):
+    with torch.no_grad():
+        return exact_attention_forward(nn.Module(), query, key, value, mask, softcap=softcap)[0]  # [b, q, h, d]
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_exact_attention_computes_attention(exact_attention, dtype, softcap):
+    """Within rounding of a float64 reference: GQA, a tree-shaped mask with padding, softcapping (Gemma 2), a row
+    with no key at all (zeros)."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, 4, 24, generator=generator).to(dtype)
+    key, value = (torch.randn(2, 2, 37, 24, generator=generator).to(dtype) for _ in "kv")
+    mask = torch.rand(2, 1, 4, 37, generator=generator) < 0.6
+    mask[1, 0, 2] = False  # a padding row
+    out = _attention(query, key, value, mask, softcap).double()
+    scores = query.double() @ key.double().repeat_interleave(3, dim=1).transpose(-1, -2) * 24**-0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+    expected = (probs @ value.double().repeat_interleave(3, dim=1)).transpose(1, 2)  # [b, q, h, d]
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+    assert not out[1, 2].any()
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (4, 4, 16), (4, 2, 20)])
+def test_exact_attention_rows_match_one_query_calls_for_1_to_16_rows(
+    exact_attention, dtype, heads, kv_heads, head_dim
+):
     generator = torch.Generator().manual_seed(heads)
     for num_keys in (20, 64, 79, 130):
         for num_queries in (1, 2, 5, 16):
@@ -69,7 +145,7 @@ def test_exact_attention_rows_match_one_query_calls_for_1_to_16_rows(dtype, head
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_exact_attention_sees_through_holes_padding_and_tree_masks(dtype):
+def test_exact_attention_sees_through_holes_padding_and_tree_masks(exact_attention, dtype):
     """A row whose allowed keys sit among masked slots (a ragged batch's holes, left padding, a tree's siblings) gets
     the bits of the same keys side by side."""
     generator = torch.Generator().manual_seed(0)
@@ -107,7 +183,7 @@ def _block_and_single_token_logits(target, context: int = 70, new: int = 9):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", EXACT_FAMILIES)
-def test_exact_block_forward_logits_equal_one_token_forwards_bitwise(family, dtype):
+def test_exact_block_forward_logits_equal_one_token_forwards_bitwise(exact_attention, family, dtype):
     target = make_target(family, dtype=dtype)
     optimize_for_cpu(target, exact=True)
     block, singles = _block_and_single_token_logits(target)
@@ -306,6 +382,33 @@ def test_a_dtype_onednn_cannot_pack_falls_back_with_a_warning(monkeypatch):
     preparation = optimize_for_cpu(make_target("qwen2"))
     assert preparation.linears and not any(linear.kernel.uses_any_packed for linear in preparation.linears)
     assert any("cannot pack" in message for message in warnings)
+
+
+@pytest.mark.parametrize(
+    "missing",
+    [("_missing_tools", lambda: "ninja is not installed; `pip install ninja`"), ("SOURCE", "/nonexistent.cpp")],
+)
+def test_without_the_compiled_attention_exact_mode_says_why_and_stays_exact(monkeypatch, missing):
+    """No compiler or ninja, or a build that fails: a warning with the reason, then the pure-torch attention, still
+    bitwise exact."""
+    from hf_dflash.decoding import attention_kernel
+
+    warnings = []
+    monkeypatch.setattr(attention_kernel, *missing)
+    monkeypatch.setattr(attention_kernel, "_build_name", lambda: "hf_dflash_test_missing_kernel")
+    monkeypatch.setattr(attention_kernel.logger, "warning", warnings.append)
+    attention_kernel.compiled_attention.cache_clear()
+    try:
+        target = make_target("qwen2")
+        optimize_for_cpu(target, exact=True)
+        block, singles = _block_and_single_token_logits(target)
+        assert attention_kernel.compiled_attention() is None
+    finally:
+        attention_kernel.compiled_attention.cache_clear()
+    assert torch.equal(block, singles)
+    assert len(warnings) == 1 and "pure-torch" in warnings[0]
+    expected = "pip install ninja" if missing[0] == "_missing_tools" else "building it failed"
+    assert expected in warnings[0]
 
 
 def test_a_failed_preparation_leaves_the_model_stock():

@@ -9,10 +9,13 @@ mask instead, as transformers already does for one new token.
 `"row_invariant"` (exact): every output row computed the same way however many query rows share the call. For one new
 token transformers calls sdpa without a mask, for several with one, and the CPU flash kernel blocks queries and keys
 by their counts, so the row of a verify forward sums in another order than the one-token forward of the same token.
-Here, for each query row:
+Here each row is computed from its own query and its allowed keys (from the mask: causal, padding, holes a ragged
+batch leaves, a draft tree's ancestors), in cache order, the same way whatever else shares the call: by a small C++
+kernel (`row_invariant_attention.cpp`, built on first use by `hf_dflash.decoding.attention_kernel`; a loop per row, at
+about sdpa's cost), or, where it cannot be built (no compiler or ninja, said once), in pure torch, for each query row:
 
-1. its allowed keys (from the mask: causal, padding, holes a ragged batch leaves, a draft tree's ancestors) are
-   gathered to the front, in cache order, so the row sees the same key sequence wherever the cache put them;
+1. its allowed keys are gathered to the front, in cache order, so the row sees the same key sequence wherever the
+   cache put them;
 2. that sequence is cut into fixed chunks of `KEY_CHUNK` keys from its first key; the last chunk is padded with
    masked keys, which contribute exact zeros;
 3. scores and probability-weighted values come from batched products whose every entry has one fixed shape
@@ -22,7 +25,8 @@ Here, for each query row:
 4. the softmax max is exact in any order; the chunks' sums are added in chunk order, one at a time, so chunks
    beyond a row's keys (fully masked: exact zeros) change nothing.
 
-It gathers each query row's keys and values, which costs more than sdpa (`benchmarks/scripts/probe_forward_rows.py`).
+The pure-torch version gathers each query row's keys and values, which costs about 20 times sdpa's attention
+(`benchmarks/scripts/probe_forward_rows.py` measures both modes).
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .attention_kernel import compiled_attention
+
 # Not "*flash*": transformers reads such names as flash-attention kernels.
 EXACT_ATTENTION = "row_invariant"
 FAST_ATTENTION = "sdpa_gqa"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the compiled kernel's (others: the torch version)
 KEY_CHUNK = 64  # keys per fixed-shape product
 # Every entry of a batched product starts on a 64-byte boundary: CPU BLAS kernels sum an entry in another order when
 # its rows are misaligned (MKL fp32: entries of 3 x 65 floats gave other results at odd offsets).
@@ -92,8 +99,21 @@ def exact_attention_forward(
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ValueError(f"'{EXACT_ATTENTION}' attention does not support attention sinks; use exact=False.")
     batch, heads, num_queries, head_dim = query.shape
-    group_padded, value_width = _aligned_widths(heads // key.shape[1], head_dim, query.element_size())
     keep = allowed_keys(attention_mask, batch, num_queries, key.shape[2], key.device)  # [b, q, kv]
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    kernel = compiled_attention() if query.device.type == "cpu" and query.dtype in KERNEL_DTYPES else None
+    if kernel is None:
+        return _chunked_attention(query, key, value, keep, scaling, softcap), None
+    group = heads // key.shape[1]
+    queries = query.view(batch, key.shape[1], group, num_queries, head_dim).transpose(2, 3)  # [b, h_kv, q, g, d]
+    out = kernel(queries, key.to(query.dtype), value.to(query.dtype), keep.contiguous(), scaling, softcap or 0.0)
+    return out.to(query.dtype), None  # [b, q, h, d]
+
+
+def _chunked_attention(query, key, value, keep, scaling: float, softcap) -> torch.Tensor:
+    """The pure-torch version: `[b, q, h, d]` from fixed-shape products over each row's keys in fixed chunks."""
+    batch, heads, num_queries, head_dim = query.shape
+    group_padded, value_width = _aligned_widths(heads // key.shape[1], head_dim, query.element_size())
     counts = keep.sum(-1)  # [b, q]
     num_chunks = max(1, -(-int(counts.max()) // KEY_CHUNK))
     # one sequence, chains: each row's allowed keys are already first and in order, no gather needed
@@ -108,7 +128,7 @@ def exact_attention_forward(
     probs = _chunk_probabilities(query, chunk_keys, counts, group_padded, scaling, softcap)  # [b, h_kv, q, n, C, g']
     out = _weighted_values(probs, chunk_values, heads // key.shape[1], head_dim)  # [b, h_kv, q, g, d]
     out = out.permute(0, 2, 1, 3, 4).reshape(batch, num_queries, heads, head_dim)
-    return out.to(query.dtype), None
+    return out.to(query.dtype)
 
 
 def _chunk_probabilities(query, chunk_keys, counts, group_padded: int, scaling, softcap) -> torch.Tensor:
@@ -126,7 +146,7 @@ def _chunk_probabilities(query, chunk_keys, counts, group_padded: int, scaling, 
         _dense(queries.reshape(entries, head_dim, group_padded)),
     )  # [E, C, g']
     scores = scores.view(batch, kv_heads, num_queries, num_chunks, KEY_CHUNK, group_padded).float()
-    scores = scores * (head_dim**-0.5 if scaling is None else scaling)
+    scores = scores * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     in_row = torch.arange(num_chunks * KEY_CHUNK, device=scores.device) < counts[..., None]  # [b, q, n * C]

@@ -21,7 +21,9 @@ prepared model, so greedy speculative decoding is token-identical to plain decod
 
 - every linear uses one kernel for every row count, a kernel checked to be row-invariant on this CPU for that shape
   (a row's result does not depend on how many rows share the call), and a 1-row input is padded to 2 rows (the
-  1-row kernels are gemv-like and sum in another order);
+  1-row kernels are gemv-like and sum in another order); where no kernel is, as for some bf16 weights on AMX CPUs,
+  every product runs in fixed chunks of `CHUNK_ROWS` rows (the last one padded with zeros), if that is checked to
+  be row-invariant (it was for all of SmolLM2's 211 bf16 linears on a Xeon where 75 failed otherwise);
 - attention goes through `"row_invariant"` (`hf_dflash.decoding.cpu_attention`, registered with transformers'
   `AttentionInterface`), whose reduction order depends on neither the number of query rows nor the key count.
 """
@@ -48,6 +50,7 @@ MEASURED_ROWS = (1, 2, 4, 8, 16, 32)  # row counts timed per weight shape; other
 COLD_BYTES = 64 * 2**20  # kernels are timed on weight copies this large together: beyond the caches, as in a forward
 # row counts exact mode checks against the padded 2-row product (block sizes, trees of 16 + 1, batches of them)
 INVARIANCE_ROWS = (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64, 68)
+CHUNK_ROWS = 16  # exact mode's last resort: every product over exactly this many rows
 
 
 # -- the two kernels -------------------------------------------------------------------------------------------------
@@ -79,16 +82,30 @@ def pad_to_two_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([row, row])
 
 
+def in_fixed_chunks(product, x: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """`product` over `x` `[..., in]` in calls of exactly `chunk_rows` rows each (the last padded with zeros), so
+    every call has one shape whatever the row count; -> `[..., out]`."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    if count == 0:
+        return product(x)
+    padded = torch.cat([rows, rows.new_zeros(-count % chunk_rows, rows.shape[1])])
+    out = torch.cat([product(chunk) for chunk in padded.split(chunk_rows)])[:count]
+    return out.reshape(*x.shape[:-1], -1)
+
+
 # -- measured choices ------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class LinearKernel:
     """What a prepared linear of one weight shape does: which row counts go to the packed kernel (`packed_rows[i]`
-    for `MEASURED_ROWS[i]`), and whether 1-row inputs are padded to 2 rows (exact mode)."""
+    for `MEASURED_ROWS[i]`), and in exact mode whether 1-row inputs are padded to 2 rows or every product runs in
+    chunks of `chunk_rows` rows (0: not)."""
 
     packed_rows: tuple[bool, ...]
     pad_single_row: bool = False
+    chunk_rows: int = 0
 
     def uses_packed(self, rows: int) -> bool:
         for measured, packed in zip(MEASURED_ROWS, self.packed_rows):
@@ -136,23 +153,46 @@ class KernelChoices:
         if not exact:
             per_rows = tuple(packed_us is not None and p < s for p, s in zip(packed_us or stock_us, stock_us))
             return LinearKernel(per_rows)
-        return LinearKernel(self._exact_choice(weight, packed, stock_us, packed_us), pad_single_row=True)
+        return self._exact_choice(weight, packed, stock_us, packed_us)
 
-    def _exact_choice(self, weight, packed, stock_us, packed_us) -> tuple[bool, ...]:
-        """One kernel for all row counts: the faster (over the multi-row counts) of those checked row-invariant."""
-        candidates = []
-        if packed is not None and _row_invariant(lambda x: packed_linear(x, packed, None), weight):
-            candidates.append((sum(packed_us[1:]), True))
-        if _row_invariant(lambda x: F.linear(x, weight), weight):
-            candidates.append((sum(stock_us[1:]), False))
-        if not candidates:
-            raise RuntimeError(
-                f"optimize_for_cpu(exact=True): no linear kernel of this torch build is row-invariant for a "
-                f"{tuple(weight.shape)} {weight.dtype} weight on this CPU, so a block forward cannot match one-token "
-                "forwards bitwise. Use exact=False (greedy outputs then match plain decoding except where logits tie "
-                "within rounding), or another dtype."
-            )
-        return (min(candidates)[1],) * len(MEASURED_ROWS)
+    def _exact_choice(self, weight, packed, stock_us, packed_us) -> LinearKernel:
+        """One kernel for all row counts: the faster (over the multi-row counts) of those checked row-invariant with
+        a 1-row input padded to 2 rows; else, in fixed chunks of `CHUNK_ROWS` rows, the faster of those checked so."""
+        kernels = [(False, stock_us, lambda x: F.linear(x, weight))]
+        if packed is not None:
+            kernels.insert(0, (True, packed_us, lambda x: packed_linear(x, packed, None)))
+        for chunk_rows in (0, CHUNK_ROWS):
+            candidates = []
+            for uses_packed, times, product in kernels:
+                kernel = LinearKernel((uses_packed,) * len(MEASURED_ROWS), not chunk_rows, chunk_rows)
+                if _row_invariant(functools.partial(prepared_product, kernel, product), weight):
+                    candidates.append((_exact_cost(times, chunk_rows), kernel))
+            if candidates:
+                return min(candidates, key=lambda candidate: candidate[0])[1]
+        raise RuntimeError(
+            f"optimize_for_cpu(exact=True): no linear kernel of this torch build is row-invariant for a "
+            f"{tuple(weight.shape)} {weight.dtype} weight on this CPU, even in fixed chunks of {CHUNK_ROWS} rows, so "
+            "a block forward cannot match one-token forwards bitwise. Use exact=False (greedy outputs then match "
+            "plain decoding except where logits tie within rounding), or another dtype."
+        )
+
+
+def _exact_cost(times_us: list[float], chunk_rows: int) -> float:
+    """Microseconds over the measured multi-row counts, as exact mode runs them (in chunks: whole chunks)."""
+    if not chunk_rows:
+        return sum(times_us[1:])
+    per_chunk = times_us[MEASURED_ROWS.index(chunk_rows)]
+    return sum(-(-rows // chunk_rows) * per_chunk for rows in MEASURED_ROWS[1:])
+
+
+def prepared_product(kernel: LinearKernel, product, x: torch.Tensor) -> torch.Tensor:
+    """`product(x)` (`x` `[..., in]` -> `[..., out]`) with exact mode's padding: a 1-row input as 2 rows, or every
+    call in chunks of `kernel.chunk_rows` rows."""
+    if kernel.chunk_rows:
+        return in_fixed_chunks(product, x, kernel.chunk_rows)
+    if kernel.pad_single_row and x.numel() == x.shape[-1]:
+        return product(pad_to_two_rows(x))[:1].reshape(*x.shape[:-1], -1)
+    return product(x)
 
 
 def _try_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -202,11 +242,11 @@ def _median_us(run, operands: list[torch.Tensor], repeats: int) -> float:
 
 
 def _row_invariant(product, weight: torch.Tensor) -> bool:
-    """Whether the first rows of `product` over each of `INVARIANCE_ROWS` rows equal, bitwise, each row alone padded
-    to two rows."""
+    """Whether the first rows of `product` over each of `INVARIANCE_ROWS` rows equal, bitwise, each row alone
+    (`product` pads as the prepared linear will)."""
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(max(INVARIANCE_ROWS), weight.shape[1], generator=generator).to(weight.dtype)
-    alone = torch.stack([product(pad_to_two_rows(row))[0] for row in x[:8]])  # [8, out]
+    alone = torch.cat([product(x[i : i + 1]) for i in range(8)])  # [8, out]
     return all(torch.equal(product(x[:rows])[: min(rows, 8)], alone[: min(rows, 8)]) for rows in INVARIANCE_ROWS)
 
 
@@ -239,13 +279,12 @@ class PreparedLinear(nn.Linear):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             _log_autograd_once()  # the oneDNN ops have no backward
             return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // x.shape[-1]
-        if rows == 1 and self.kernel.pad_single_row:
-            return self._product(pad_to_two_rows(x), 2)[:1].reshape(*x.shape[:-1], -1)
-        return self._product(x, rows)
+        if self.kernel.chunk_rows or self.kernel.pad_single_row:  # exact mode: one kernel for every row count
+            return prepared_product(self.kernel, self._product, x)
+        return self._product(x)
 
-    def _product(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        if self.kernel.uses_packed(rows):
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel.uses_packed(x.numel() // x.shape[-1]):
             return packed_linear(x, self.packed_weight.current(self.weight), self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -1,0 +1,82 @@
+"""The compiled row-invariant attention (`row_invariant_attention.cpp`): built once per machine with torch's C++
+extension loader, then loaded from its cache (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`).
+
+It computes each output row from its query and its allowed keys in one fixed order, as the module docstring of
+`hf_dflash.decoding.cpu_attention` asks, at about the cost of sdpa (the pure-torch version there gathers each row's
+keys into fixed chunks and costs about 20 times more). Building needs a C++ compiler and `ninja`; where either is
+missing, `compiled_attention()` returns `None` and says why once, and exact mode uses the pure-torch version.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("row_invariant_attention.cpp")
+# No FP contraction: a fused multiply-add rounds once where a product and a sum round twice, and the compiler may fuse
+# in one copy of a loop (vectorized) and not in another (its remainder). No trapping math: lets GCC vectorize floor()
+# (values are unchanged; FP exceptions are not trapped anyway).
+COMPILER_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math"]
+
+
+def _build_name() -> str:
+    """One build per source, flags, torch version and CPU capability (`-march=native` code runs only where it was
+    built)."""
+    cpu = torch.backends.cpu.get_cpu_capability()
+    settings = f"{torch.__version__}:{cpu}:{' '.join(COMPILER_FLAGS)}"
+    digest = hashlib.sha256(SOURCE.read_bytes() + settings.encode()).hexdigest()[:12]
+    return f"hf_dflash_row_invariant_attention_{digest}"
+
+
+def _missing_tools() -> str | None:
+    """Why the kernel cannot be built here, or None."""
+    if sys.platform == "win32":
+        return "the build flags are GCC/Clang's, and this is Windows"
+    compiler = next((name for name in ("c++", "g++", "clang++") if shutil.which(name)), None)
+    if compiler is None:
+        return "no C++ compiler (c++, g++ or clang++) is on the PATH; install one (e.g. `apt install g++`)"
+    try:
+        from torch.utils.cpp_extension import verify_ninja_availability
+
+        verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed; `pip install ninja`"
+    return None
+
+
+@functools.cache
+def compiled_attention() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_dflash.row_invariant_attention`, built on first use (about a minute on 2 cores), or None (logged
+    once, with the fix) where it cannot be built."""
+    reason = _missing_tools()
+    if reason is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            load(
+                name=_build_name(),
+                sources=[str(SOURCE)],
+                extra_cflags=COMPILER_FLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
+            return torch.ops.hf_dflash.row_invariant_attention
+        except (RuntimeError, OSError, ImportError) as error:  # a failed compile or link
+            reason = f"building it failed ({str(error).strip().splitlines()[-1]})"
+    logger.warning(
+        f"Exact CPU attention: the compiled kernel is not available because {reason}. Using the pure-torch version, "
+        "which gives the same guarantee at about 20 times the attention cost."
+    )
+    return None
+
+
+__all__ = ["compiled_attention"]
