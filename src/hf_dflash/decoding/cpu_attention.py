@@ -11,8 +11,8 @@ token transformers calls sdpa without a mask, for several with one, and the CPU 
 by their counts, so the row of a verify forward sums in another order than the one-token forward of the same token.
 Here each row is computed from its own query and its allowed keys (from the mask: causal, padding, holes a ragged
 batch leaves, a draft tree's ancestors), in cache order, the same way whatever else shares the call: by a small C++
-kernel (`row_invariant_attention.cpp`, built on first use by `hf_dflash.decoding.attention_kernel`; a loop per row, at
-about sdpa's cost), or, where it cannot be built (no compiler or ninja, said once), in pure torch, for each query row:
+kernel (`row_invariant_attention.cpp`, built on first use by `hf_dflash.decoding.attention_kernel`; a loop per row),
+or, where it cannot be built (no compiler or ninja, said once), in pure torch, for each query row:
 
 1. its allowed keys are gathered to the front, in cache order, so the row sees the same key sequence wherever the
    cache put them;
@@ -25,8 +25,8 @@ about sdpa's cost), or, where it cannot be built (no compiler or ninja, said onc
 4. the softmax max is exact in any order; the chunks' sums are added in chunk order, one at a time, so chunks
    beyond a row's keys (fully masked: exact zeros) change nothing.
 
-The pure-torch version gathers each query row's keys and values, which costs about 20 times sdpa's attention
-(`benchmarks/scripts/probe_forward_rows.py` measures both modes).
+The pure-torch version gathers each query row's keys and values and runs many small products, which costs far more
+than the kernel (`benchmarks/scripts/probe_forward_rows.py` measures exact against fast mode).
 """
 
 from __future__ import annotations
