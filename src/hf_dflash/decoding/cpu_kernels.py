@@ -89,9 +89,10 @@ def in_fixed_chunks(product, x: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     count = rows.shape[0]
     if count == 0:
         return product(x)
-    padded = torch.cat([rows, rows.new_zeros(-count % chunk_rows, rows.shape[1])])
-    out = torch.cat([product(chunk) for chunk in padded.split(chunk_rows)])[:count]
-    return out.reshape(*x.shape[:-1], -1)
+    padded = F.pad(rows, (0, 0, 0, -count % chunk_rows))  # zero rows at the end
+    outs = [product(chunk) for chunk in padded.split(chunk_rows)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:count].reshape(*x.shape[:-1], -1)
 
 
 # -- measured choices ------------------------------------------------------------------------------------------------
