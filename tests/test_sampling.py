@@ -7,7 +7,8 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
 
-from hf_dflash import DFlashForDrafting, speculative_generate
+from hf_dflash import DFlashForDrafting, optimize_for_cpu, speculative_generate
+from hf_dflash.decoding import cpu_kernels
 from hf_dflash.decoding.speculative import _sampling_warpers
 
 VOCAB = 6
@@ -131,6 +132,27 @@ def test_speculative_generate_samples_the_target_distribution(family, generation
     assert histogram[1] > 0  # rejections happened
     if sample_proposals or not generation_kwargs["top_k"]:  # the random draft's argmax is rarely in the target's top-4
         assert histogram[3] > 0  # ... and full acceptances
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-kernel", "16-row-chunks"])
+def test_exact_cpu_mode_samples_the_target_distribution(monkeypatch, family, chunked):
+    """The target in exact CPU mode (the compiled row-invariant attention; linears on one kernel, or forced into
+    16-row chunks as where no kernel is row-invariant), sampled by `speculative_generate` against the prepared
+    target's own enumerated distribution."""
+    if chunked:
+        monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
+    target = peaky_target(family)
+    preparation = optimize_for_cpu(target, exact=True)
+    assert {bool(linear.kernel.chunk_rows) for linear in preparation.linears} == {chunked}
+    draft = random_draft(target)
+    generation_kwargs = SETTINGS[1]
+    exact = exact_joint(target, generation_kwargs)
+    torch.manual_seed(4)
+    out = speculative_generate(target, draft, PROMPT.expand(3000, -1), max_new_tokens=4, **generation_kwargs)
+    samples = [tuple(row) for row in out.sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()]
+    assert out.stats.histogram[1] > 0 and out.stats.histogram[3] > 0
     assert chi_square_pvalue(samples, exact) > 1e-3
 
 
