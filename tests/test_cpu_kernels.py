@@ -210,9 +210,13 @@ def test_stock_kernels_do_not_give_those_bits_the_control(dtype):
 
 
 @pytest.mark.parametrize("family", EXACT_FAMILIES)
-def test_exact_mode_bf16_greedy_is_token_identical_on_both_paths(family):
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-kernel", "16-row-chunks"])
+def test_exact_mode_bf16_greedy_is_token_identical_on_both_paths(monkeypatch, family, chunked):
     """bf16 can round a block forward's logits differently from one-token forwards with stock kernels; exact mode
-    makes greedy speculative decoding (trees, chains, `generate(assistant_model=...)`) plain decoding's tokens."""
+    makes greedy speculative decoding (trees, chains, `generate(assistant_model=...)`) plain decoding's tokens, with
+    its linears on one kernel or in 16-row chunks (forced here, as where no kernel is row-invariant)."""
+    if chunked:
+        monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
     target = make_target(family, dtype=torch.bfloat16)
     optimize_for_cpu(target, exact=True)
     prompt = random_prompt(12, seed=4)
