@@ -77,10 +77,10 @@ def test_products_in_fixed_chunks_are_the_product_for_any_row_count():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_exact_mode_with_products_in_fixed_chunks_keeps_the_one_token_bits_and_the_logits(monkeypatch, family):
-    """As for some of SmolLM2's bf16 weights on AMX CPUs, where only the chunked products pass the check (only they
-    are offered here): the block forward gives the one-token bits and the model's logits."""
-    monkeypatch.setattr(cpu_kernels, "EXACT_PADDINGS", ((False, cpu_kernels.CHUNK_ROWS),))
+def test_where_no_kernel_is_row_invariant_exact_mode_runs_products_in_fixed_chunks(monkeypatch, family):
+    """As for some of SmolLM2's bf16 weights on AMX CPUs: the unchunked kernels fail the check (forced here), the
+    chunked ones pass, and the block forward gives the one-token bits and the model's logits."""
+    monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
     target = make_target(family, dtype=torch.bfloat16)
     ids = random_prompt(12, seed=3)[None]
     with torch.no_grad():
@@ -91,30 +91,6 @@ def test_exact_mode_with_products_in_fixed_chunks_keeps_the_one_token_bits_and_t
         torch.testing.assert_close(target(ids).logits.float(), stock, atol=0.1, rtol=0.05)
     block, singles = _block_and_single_token_logits(target)
     assert torch.equal(block, singles)
-
-
-def test_exact_mode_takes_the_fastest_kernel_and_padding_that_pass_the_check(monkeypatch):
-    """Costs as each padding runs the measured row counts (1, 2, 4, 8, 16, 32): unpadded where it passes and costs
-    least, else 1 row as 2, else whole 16-row chunks; the stock kernel where only it passes."""
-    weight = torch.randn(24, 40)
-    packed_us = [10.0, 12.0, 11.0, 12.0, 14.0, 20.0]  # unpadded 79, 1 row as 2: 81, chunks 98 (stock: 191+)
-    stock_us = [5.0, 30.0, 31.0, 32.0, 33.0, 60.0]
-
-    def choose(passing):
-        monkeypatch.setattr(
-            cpu_kernels,
-            "_row_invariant",
-            lambda product, weight: (product.func is cpu_kernels.prepared_product) and passing(product.args[0]),
-        )
-        return KernelChoices()._exact_choice(weight, cpu_kernels.pack_weight(weight), stock_us, packed_us)
-
-    unpadded_packed = LinearKernel((True,) * len(MEASURED_ROWS))
-    assert choose(lambda kernel: True) == unpadded_packed
-    assert choose(lambda kernel: kernel.pad_single_row or kernel.chunk_rows) == LinearKernel(
-        (True,) * len(MEASURED_ROWS), pad_single_row=True
-    )
-    assert choose(lambda kernel: kernel.chunk_rows) == LinearKernel((True,) * len(MEASURED_ROWS), chunk_rows=16)
-    assert choose(lambda kernel: not any(kernel.packed_rows)) == LinearKernel((False,) * len(MEASURED_ROWS))
 
 
 def test_where_not_even_chunks_are_row_invariant_exact_mode_is_refused_with_the_fix(monkeypatch):
@@ -234,13 +210,13 @@ def test_stock_kernels_do_not_give_those_bits_the_control(dtype):
 
 
 @pytest.mark.parametrize("family", EXACT_FAMILIES)
-@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "16-row-chunks"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-kernel", "16-row-chunks"])
 def test_exact_mode_bf16_greedy_is_token_identical_on_both_paths(monkeypatch, family, chunked):
     """bf16 can round a block forward's logits differently from one-token forwards with stock kernels; exact mode
     makes greedy speculative decoding (trees, chains, `generate(assistant_model=...)`) plain decoding's tokens, with
-    its linears unchunked or in 16-row chunks (only these offered, as where no other padding is row-invariant)."""
-    paddings = [padding for padding in cpu_kernels.EXACT_PADDINGS if bool(padding[1]) == chunked]
-    monkeypatch.setattr(cpu_kernels, "EXACT_PADDINGS", tuple(paddings))
+    its linears on one kernel or in 16-row chunks (forced here, as where no kernel is row-invariant)."""
+    if chunked:
+        monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
     target = make_target(family, dtype=torch.bfloat16)
     optimize_for_cpu(target, exact=True)
     prompt = random_prompt(12, seed=4)

@@ -136,13 +136,13 @@ def test_speculative_generate_samples_the_target_distribution(family, generation
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "16-row-chunks"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-kernel", "16-row-chunks"])
 def test_exact_cpu_mode_samples_the_target_distribution(monkeypatch, family, chunked):
-    """The target in exact CPU mode (the compiled row-invariant attention; linears unchunked, or only 16-row chunks
-    allowed, as where no other padding is row-invariant), sampled by `speculative_generate` against the prepared
+    """The target in exact CPU mode (the compiled row-invariant attention; linears on one kernel, or forced into
+    16-row chunks as where no kernel is row-invariant), sampled by `speculative_generate` against the prepared
     target's own enumerated distribution."""
-    paddings = [padding for padding in cpu_kernels.EXACT_PADDINGS if bool(padding[1]) == chunked]
-    monkeypatch.setattr(cpu_kernels, "EXACT_PADDINGS", tuple(paddings))
+    if chunked:
+        monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
     target = peaky_target(family)
     preparation = optimize_for_cpu(target, exact=True)
     assert {bool(linear.kernel.chunk_rows) for linear in preparation.linears} == {chunked}

@@ -19,11 +19,11 @@ Accelerator models are left as they are.
 With `exact=True` a forward over `k` tokens gives per-token logits bitwise equal to `k` one-token forwards of the same
 prepared model, so greedy speculative decoding is token-identical to plain decoding in any dtype:
 
-- every linear uses one kernel and one padding for every row count, the fastest pair checked on this CPU to be
-  row-invariant for that weight (a row's result does not depend on how many rows share the call): no padding where
-  the 1-row product sums as the multi-row one does, a 1-row input padded to 2 rows where the 1-row kernel is
-  gemv-like, or every product in fixed chunks of `CHUNK_ROWS` rows (the last one padded with zeros), which all of
-  SmolLM2's 211 bf16 linears pass on a Xeon where 75 fail the others;
+- every linear uses one kernel for every row count, a kernel checked to be row-invariant on this CPU for that shape
+  (a row's result does not depend on how many rows share the call), and a 1-row input is padded to 2 rows (the
+  1-row kernels are gemv-like and sum in another order); where no kernel is, as for some bf16 weights on AMX CPUs,
+  every product runs in fixed chunks of `CHUNK_ROWS` rows (the last one padded with zeros), if that is checked to
+  be row-invariant (it was for all of SmolLM2's 211 bf16 linears on a Xeon where 75 failed otherwise);
 - attention goes through `"row_invariant"` (`hf_dflash.decoding.cpu_attention`, registered with transformers'
   `AttentionInterface`), whose reduction order depends on neither the number of query rows nor the key count.
 """
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -52,8 +51,6 @@ COLD_BYTES = 64 * 2**20  # kernels are timed on weight copies this large togethe
 # row counts exact mode checks against the padded 2-row product (block sizes, trees of 16 + 1, batches of them)
 INVARIANCE_ROWS = (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64, 68)
 CHUNK_ROWS = 16  # exact mode's last resort: every product over exactly this many rows
-# exact mode's paddings, (pad_single_row, chunk_rows): none, a 1-row input as 2 rows, every call over CHUNK_ROWS rows
-EXACT_PADDINGS = ((False, 0), (True, 0), (False, CHUNK_ROWS))
 
 
 # -- the two kernels -------------------------------------------------------------------------------------------------
@@ -160,18 +157,19 @@ class KernelChoices:
         return self._exact_choice(weight, packed, stock_us, packed_us)
 
     def _exact_choice(self, weight, packed, stock_us, packed_us) -> LinearKernel:
-        """One kernel and one padding for all row counts: of the pairs checked row-invariant, the fastest over the
-        measured row counts as that padding runs them."""
+        """One kernel for all row counts: the faster (over the multi-row counts) of those checked row-invariant with
+        a 1-row input padded to 2 rows; else, in fixed chunks of `CHUNK_ROWS` rows, the faster of those checked so."""
         kernels = [(False, stock_us, lambda x: F.linear(x, weight))]
         if packed is not None:
             kernels.insert(0, (True, packed_us, lambda x: packed_linear(x, packed, None)))
-        candidates = []
-        for (uses_packed, times, product), (pad_single_row, chunk_rows) in itertools.product(kernels, EXACT_PADDINGS):
-            kernel = LinearKernel((uses_packed,) * len(MEASURED_ROWS), pad_single_row, chunk_rows)
-            if _row_invariant(functools.partial(prepared_product, kernel, product), weight):
-                candidates.append((_exact_cost(times, kernel), kernel))
-        if candidates:
-            return min(candidates, key=lambda candidate: candidate[0])[1]
+        for chunk_rows in (0, CHUNK_ROWS):
+            candidates = []
+            for uses_packed, times, product in kernels:
+                kernel = LinearKernel((uses_packed,) * len(MEASURED_ROWS), not chunk_rows, chunk_rows)
+                if _row_invariant(functools.partial(prepared_product, kernel, product), weight):
+                    candidates.append((_exact_cost(times, chunk_rows), kernel))
+            if candidates:
+                return min(candidates, key=lambda candidate: candidate[0])[1]
         raise RuntimeError(
             f"optimize_for_cpu(exact=True): no linear kernel of this torch build is row-invariant for a "
             f"{tuple(weight.shape)} {weight.dtype} weight on this CPU, even in fixed chunks of {CHUNK_ROWS} rows, so "
@@ -180,12 +178,12 @@ class KernelChoices:
         )
 
 
-def _exact_cost(times_us: list[float], kernel: LinearKernel) -> float:
-    """Microseconds over the measured row counts as `kernel` runs them: whole chunks, or 1 row as 2, or as they are."""
-    time_of = dict(zip(MEASURED_ROWS, times_us))
-    if kernel.chunk_rows:
-        return sum(-(-rows // kernel.chunk_rows) * time_of[kernel.chunk_rows] for rows in MEASURED_ROWS)
-    return sum(time_of[max(rows, 2 if kernel.pad_single_row else 1)] for rows in MEASURED_ROWS)
+def _exact_cost(times_us: list[float], chunk_rows: int) -> float:
+    """Microseconds over the measured multi-row counts, as exact mode runs them (in chunks: whole chunks)."""
+    if not chunk_rows:
+        return sum(times_us[1:])
+    per_chunk = times_us[MEASURED_ROWS.index(chunk_rows)]
+    return sum(-(-rows // chunk_rows) * per_chunk for rows in MEASURED_ROWS[1:])
 
 
 def prepared_product(kernel: LinearKernel, product, x: torch.Tensor) -> torch.Tensor:
