@@ -76,21 +76,44 @@ def test_products_in_fixed_chunks_are_the_product_for_any_row_count():
         assert calls == [16] * -(-rows // 16)  # every call over exactly 16 rows
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_where_no_kernel_is_row_invariant_exact_mode_runs_products_in_fixed_chunks(monkeypatch, family):
-    """As for some of SmolLM2's bf16 weights on AMX CPUs: the unchunked kernels fail the check (forced here), the
-    chunked ones pass, and the block forward gives the one-token bits and the model's logits."""
-    monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
-    target = make_target(family, dtype=torch.bfloat16)
+@pytest.mark.parametrize(
+    ("family", "dtype"), [("llama", torch.float32), ("qwen3", torch.float32), ("llama", torch.bfloat16)]
+)
+def test_exact_mode_runs_products_in_fixed_chunks_where_no_kernel_is_row_invariant_and_in_16_bits(
+    monkeypatch, family, dtype
+):
+    """fp32 where the unchunked kernels fail the check (forced here); bf16 always. The block forward gives the
+    one-token bits and the model's logits."""
+    if dtype == torch.float32:
+        monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
+    target = make_target(family, dtype=dtype)
     ids = random_prompt(12, seed=3)[None]
     with torch.no_grad():
         stock = target(ids).logits.float()
     preparation = optimize_for_cpu(target, exact=True)
     assert {linear.kernel.chunk_rows for linear in preparation.linears} == {cpu_kernels.CHUNK_ROWS}
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
     with torch.no_grad():
-        torch.testing.assert_close(target(ids).logits.float(), stock, atol=0.1, rtol=0.05)
+        torch.testing.assert_close(target(ids).logits.float(), stock, atol=tolerance, rtol=tolerance)
     block, singles = _block_and_single_token_logits(target)
     assert torch.equal(block, singles)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_exact_mode_checks_unchunked_kernels_in_fp32_only(monkeypatch, dtype):
+    """A 16-bit product's rounding hides summation-order differences from the check, so bf16 and fp16 go to 16-row
+    chunks without trying the unchunked kernels; fp32 tries those first."""
+    checked = []
+    check = cpu_kernels._row_invariant
+
+    def spy(product, weight):
+        checked.append(product.args[0].chunk_rows)
+        return check(product, weight)
+
+    monkeypatch.setattr(cpu_kernels, "_row_invariant", spy)
+    optimize_for_cpu(make_target("qwen2", dtype=dtype), exact=True)
+    assert (0 in checked) == (dtype == torch.float32)
+    assert cpu_kernels.exact_chunk_rows(dtype) == (dtype != torch.float32)
 
 
 def test_where_not_even_chunks_are_row_invariant_exact_mode_is_refused_with_the_fix(monkeypatch):
@@ -210,13 +233,10 @@ def test_stock_kernels_do_not_give_those_bits_the_control(dtype):
 
 
 @pytest.mark.parametrize("family", EXACT_FAMILIES)
-@pytest.mark.parametrize("chunked", [False, True], ids=["one-kernel", "16-row-chunks"])
-def test_exact_mode_bf16_greedy_is_token_identical_on_both_paths(monkeypatch, family, chunked):
+def test_exact_mode_bf16_greedy_is_token_identical_on_both_paths(family):
     """bf16 can round a block forward's logits differently from one-token forwards with stock kernels; exact mode
-    makes greedy speculative decoding (trees, chains, `generate(assistant_model=...)`) plain decoding's tokens, with
-    its linears on one kernel or in 16-row chunks (forced here, as where no kernel is row-invariant)."""
-    if chunked:
-        monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
+    (its linears in 16-row chunks) makes greedy speculative decoding (trees, chains,
+    `generate(assistant_model=...)`) plain decoding's tokens."""
     target = make_target(family, dtype=torch.bfloat16)
     optimize_for_cpu(target, exact=True)
     prompt = random_prompt(12, seed=4)

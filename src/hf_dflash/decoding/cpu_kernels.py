@@ -21,9 +21,9 @@ prepared model, so greedy speculative decoding is token-identical to plain decod
 
 - every linear uses one kernel for every row count, a kernel checked to be row-invariant on this CPU for that shape
   (a row's result does not depend on how many rows share the call), and a 1-row input is padded to 2 rows (the
-  1-row kernels are gemv-like and sum in another order); where no kernel is, as for some bf16 weights on AMX CPUs,
-  every product runs in fixed chunks of `CHUNK_ROWS` rows (the last one padded with zeros), if that is checked to
-  be row-invariant (it was for all of SmolLM2's 211 bf16 linears on a Xeon where 75 failed otherwise);
+  1-row kernels are gemv-like and sum in another order); where no kernel is, and always in bf16 and fp16 (whose
+  rounded outputs hide summation-order differences from such a check: `exact_chunk_rows`), every product runs in
+  fixed chunks of `CHUNK_ROWS` rows (the last one padded with zeros), checked the same way;
 - attention goes through `"row_invariant"` (`hf_dflash.decoding.cpu_attention`, registered with transformers'
   `AttentionInterface`), whose reduction order depends on neither the number of query rows nor the key count.
 """
@@ -158,11 +158,12 @@ class KernelChoices:
 
     def _exact_choice(self, weight, packed, stock_us, packed_us) -> LinearKernel:
         """One kernel for all row counts: the faster (over the multi-row counts) of those checked row-invariant with
-        a 1-row input padded to 2 rows; else, in fixed chunks of `CHUNK_ROWS` rows, the faster of those checked so."""
+        a 1-row input padded to 2 rows; else, in fixed chunks of `CHUNK_ROWS` rows, the faster of those checked so.
+        16-bit weights go to chunks directly (`exact_chunk_rows`)."""
         kernels = [(False, stock_us, lambda x: F.linear(x, weight))]
         if packed is not None:
             kernels.insert(0, (True, packed_us, lambda x: packed_linear(x, packed, None)))
-        for chunk_rows in (0, CHUNK_ROWS):
+        for chunk_rows in (0, CHUNK_ROWS) if not exact_chunk_rows(weight.dtype) else (CHUNK_ROWS,):
             candidates = []
             for uses_packed, times, product in kernels:
                 kernel = LinearKernel((uses_packed,) * len(MEASURED_ROWS), not chunk_rows, chunk_rows)
@@ -176,6 +177,15 @@ class KernelChoices:
             "a block forward cannot match one-token forwards bitwise. Use exact=False (greedy outputs then match "
             "plain decoding except where logits tie within rounding), or another dtype."
         )
+
+
+def exact_chunk_rows(dtype: torch.dtype) -> bool:
+    """Whether exact mode runs every product of this dtype in `CHUNK_ROWS`-row chunks from the start. A 16-bit product
+    rounds its fp32 sums to 16 bits, which hides most differences in summation order from a check: on a Xeon with AMX
+    a 2-row-padded bf16 kernel passed `_row_invariant` for one random input and failed it for another on most of
+    SmolLM2's weights, so a passing check proves nothing there. Calls of always the same number of rows sum every row
+    the same way by construction (the chunked products passed for every weight and input tried)."""
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 def _exact_cost(times_us: list[float], chunk_rows: int) -> float:
