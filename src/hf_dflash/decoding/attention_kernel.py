@@ -4,8 +4,9 @@ extension loader, then loaded from its cache (`TORCH_EXTENSIONS_DIR`, by default
 It computes each output row from its query and its allowed keys in one fixed order, as the module docstring of
 `hf_dflash.decoding.cpu_attention` asks, without the pure-torch version's gathers and many small products (a one-token
 fp32 step of SmolLM2 on the Xeon, `benchmarks/scripts/probe_forward_rows.py`: exact mode 71.3 ms with that version
-against 42.4 in fast mode, 44.5 with this kernel against 36.0 in a later run). Building needs a C++ compiler and `ninja`; where either is missing,
-`compiled_attention()` returns `None` and says why once, and exact mode uses the pure-torch version.
+against 42.4 in fast mode, 43.1 with this kernel against 33.5 in a later run). Building needs a C++ compiler and
+`ninja`; where either is missing, `compiled_attention()` returns `None` and says why once, and exact mode uses the
+pure-torch version.
 """
 
 from __future__ import annotations
