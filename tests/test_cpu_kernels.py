@@ -116,6 +116,13 @@ def test_exact_mode_checks_unchunked_kernels_in_fp32_only(monkeypatch, dtype):
     assert cpu_kernels.exact_chunk_rows(dtype) == (dtype != torch.float32)
 
 
+def test_a_16_bit_conv1d_is_refused_by_exact_mode_with_the_fix():
+    target = make_target("gpt2", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 Conv1D.*Use float32"):
+        optimize_for_cpu(target, exact=True)
+    assert not is_optimized_for_cpu(target)
+
+
 def test_where_not_even_chunks_are_row_invariant_exact_mode_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: False)
     target = make_target("llama", dtype=torch.bfloat16)

@@ -414,10 +414,17 @@ def _prepare_linear(linear: nn.Linear, preparation: CPUPreparation, packed_by_we
 
 def _check_other_products(model: nn.Module) -> None:
     """Exact mode: products this module does not prepare (transformers' `Conv1D`, GPT-2's) must be row-invariant
-    with the stock kernel on this CPU, else a block forward cannot match one-token forwards."""
+    with the stock kernel on this CPU, else a block forward cannot match one-token forwards; in 16 bits they are
+    refused (`exact_chunk_rows`)."""
     for name, module in model.named_modules():
         if isinstance(module, Conv1D):
             weight, bias = module.weight, module.bias  # [in, out]
+            if exact_chunk_rows(weight.dtype):
+                raise ValueError(
+                    f"optimize_for_cpu(exact=True): {name} is a {weight.dtype} Conv1D, whose row invariance a check "
+                    "cannot vouch for in 16 bits (exact mode runs 16-bit linears in fixed chunks, and does not prepare "
+                    "Conv1D). Use float32 (the Conv1D is then checked) or exact=False."
+                )
             if not _row_invariant(lambda x, w=weight, b=bias: torch.addmm(b, x, w), weight.t()):
                 raise ValueError(
                     f"optimize_for_cpu(exact=True): {name} is a Conv1D whose {weight.dtype} product is not "
