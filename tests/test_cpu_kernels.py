@@ -113,7 +113,7 @@ def test_exact_mode_checks_unchunked_kernels_in_fp32_only(monkeypatch, dtype):
     monkeypatch.setattr(cpu_kernels, "_row_invariant", spy)
     optimize_for_cpu(make_target("qwen2", dtype=dtype), exact=True)
     assert (0 in checked) == (dtype == torch.float32)
-    assert cpu_kernels.exact_chunk_rows(dtype) == (dtype != torch.float32)
+    assert cpu_kernels.always_chunked(dtype) == (dtype != torch.float32)
 
 
 def test_a_16_bit_conv1d_is_refused_by_exact_mode_with_the_fix():

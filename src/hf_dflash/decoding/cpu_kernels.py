@@ -22,7 +22,7 @@ prepared model, so greedy speculative decoding is token-identical to plain decod
 - every linear uses one kernel for every row count, a kernel checked to be row-invariant on this CPU for that shape
   (a row's result does not depend on how many rows share the call), and a 1-row input is padded to 2 rows (the
   1-row kernels are gemv-like and sum in another order); where no kernel is, and always in bf16 and fp16 (whose
-  rounded outputs hide summation-order differences from such a check: `exact_chunk_rows`), every product runs in
+  rounded outputs hide summation-order differences from such a check: `always_chunked`), every product runs in
   fixed chunks of `CHUNK_ROWS` rows (the last one padded with zeros), checked the same way;
 - attention goes through `"row_invariant"` (`hf_dflash.decoding.cpu_attention`, registered with transformers'
   `AttentionInterface`), whose reduction order depends on neither the number of query rows nor the key count.
@@ -48,9 +48,10 @@ logger = logging.get_logger(__name__)
 
 MEASURED_ROWS = (1, 2, 4, 8, 16, 32)  # row counts timed per weight shape; others use the next measured count up
 COLD_BYTES = 64 * 2**20  # kernels are timed on weight copies this large together: beyond the caches, as in a forward
-# row counts exact mode checks against the padded 2-row product (block sizes, trees of 16 + 1, batches of them)
+# row counts exact mode checks against each row alone (block sizes, trees of 16 + 1, batches of them)
 INVARIANCE_ROWS = (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64, 68)
-CHUNK_ROWS = 16  # exact mode's last resort: every product over exactly this many rows
+# exact mode's calls in 16 bits, and where no unchunked kernel passes the check: products over exactly this many rows
+CHUNK_ROWS = 16
 
 
 # -- the two kernels -------------------------------------------------------------------------------------------------
@@ -159,11 +160,11 @@ class KernelChoices:
     def _exact_choice(self, weight, packed, stock_us, packed_us) -> LinearKernel:
         """One kernel for all row counts: the faster (over the multi-row counts) of those checked row-invariant with
         a 1-row input padded to 2 rows; else, in fixed chunks of `CHUNK_ROWS` rows, the faster of those checked so.
-        16-bit weights go to chunks directly (`exact_chunk_rows`)."""
+        16-bit weights go to chunks directly (`always_chunked`)."""
         kernels = [(False, stock_us, lambda x: F.linear(x, weight))]
         if packed is not None:
             kernels.insert(0, (True, packed_us, lambda x: packed_linear(x, packed, None)))
-        for chunk_rows in (0, CHUNK_ROWS) if not exact_chunk_rows(weight.dtype) else (CHUNK_ROWS,):
+        for chunk_rows in (0, CHUNK_ROWS) if not always_chunked(weight.dtype) else (CHUNK_ROWS,):
             candidates = []
             for uses_packed, times, product in kernels:
                 kernel = LinearKernel((uses_packed,) * len(MEASURED_ROWS), not chunk_rows, chunk_rows)
@@ -179,12 +180,12 @@ class KernelChoices:
         )
 
 
-def exact_chunk_rows(dtype: torch.dtype) -> bool:
-    """Whether exact mode runs every product of this dtype in `CHUNK_ROWS`-row chunks from the start. A 16-bit product
-    rounds its fp32 sums to 16 bits, which hides most differences in summation order from a check: on a Xeon with AMX
-    a 2-row-padded bf16 kernel passed `_row_invariant` for one random input and failed it for another on most of
-    SmolLM2's weights, so a passing check proves nothing there. Calls of always the same number of rows sum every row
-    the same way by construction (the chunked products passed for every weight and input tried)."""
+def always_chunked(dtype: torch.dtype) -> bool:
+    """Whether exact mode runs every product of this dtype in `CHUNK_ROWS`-row chunks without trying others. A 16-bit
+    product rounds its fp32 sums to 16 bits, which hides most differences in summation order from a check: on a Xeon
+    with AMX a 2-row-padded bf16 kernel passed `_row_invariant` for one random input and failed it for another on most
+    of SmolLM2's weights, so a passing check proves nothing there. Calls of always the same number of rows sum every
+    row the same way by construction (the chunked products passed for every weight and input tried)."""
     return dtype in (torch.bfloat16, torch.float16)
 
 
@@ -415,15 +416,15 @@ def _prepare_linear(linear: nn.Linear, preparation: CPUPreparation, packed_by_we
 def _check_other_products(model: nn.Module) -> None:
     """Exact mode: products this module does not prepare (transformers' `Conv1D`, GPT-2's) must be row-invariant
     with the stock kernel on this CPU, else a block forward cannot match one-token forwards; in 16 bits they are
-    refused (`exact_chunk_rows`)."""
+    refused (`always_chunked`)."""
     for name, module in model.named_modules():
         if isinstance(module, Conv1D):
             weight, bias = module.weight, module.bias  # [in, out]
-            if exact_chunk_rows(weight.dtype):
+            if always_chunked(weight.dtype):
                 raise ValueError(
                     f"optimize_for_cpu(exact=True): {name} is a {weight.dtype} Conv1D, whose row invariance a check "
-                    "cannot vouch for in 16 bits (exact mode runs 16-bit linears in fixed chunks, and does not prepare "
-                    "Conv1D). Use float32 (the Conv1D is then checked) or exact=False."
+                    "cannot vouch for in 16 bits (exact mode runs 16-bit linears in fixed chunks, and does not "
+                    "prepare Conv1D). Use float32 (the Conv1D is then checked) or exact=False."
                 )
             if not _row_invariant(lambda x, w=weight, b=bias: torch.addmm(b, x, w), weight.t()):
                 raise ValueError(
