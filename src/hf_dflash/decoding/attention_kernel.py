@@ -31,12 +31,22 @@ COMPILER_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math",
 
 
 def _build_name() -> str:
-    """One build per source, flags, torch version and CPU capability (`-march=native` code runs only where it was
-    built)."""
-    cpu = torch.backends.cpu.get_cpu_capability()
-    settings = f"{torch.__version__}:{cpu}:{' '.join(COMPILER_FLAGS)}"
+    """One build per source, flags, torch version and CPU (`-march=native` code runs only where it was built: a home
+    directory shared by machines of different CPUs keeps one build each)."""
+    settings = f"{torch.__version__}:{_cpu_features()}:{' '.join(COMPILER_FLAGS)}"
     digest = hashlib.sha256(SOURCE.read_bytes() + settings.encode()).hexdigest()[:12]
     return f"hf_dflash_row_invariant_attention_{digest}"
+
+
+def _cpu_features() -> str:
+    """The CPU's instruction-set flags where Linux lists them, else torch's CPU capability (AVX2, AVX512, ...)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def _missing_tools() -> str | None:
