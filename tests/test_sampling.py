@@ -136,16 +136,17 @@ def test_speculative_generate_samples_the_target_distribution(family, generation
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("chunked", [False, True], ids=["one-kernel", "16-row-chunks"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["as-chosen", "16-row-chunks"])
 def test_exact_cpu_mode_samples_the_target_distribution(monkeypatch, family, chunked):
-    """The target in exact CPU mode (the compiled row-invariant attention; linears on one kernel, or forced into
-    16-row chunks as where no kernel is row-invariant), sampled by `speculative_generate` against the prepared
+    """The fp32 target in exact CPU mode (the compiled row-invariant attention; linears as this CPU's check chooses,
+    or forced into 16-row chunks as where no kernel passes), sampled by `speculative_generate` against the prepared
     target's own enumerated distribution."""
     if chunked:
         monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
     target = peaky_target(family)
     preparation = optimize_for_cpu(target, exact=True)
-    assert {bool(linear.kernel.chunk_rows) for linear in preparation.linears} == {chunked}
+    if chunked:
+        assert all(linear.kernel.chunk_rows for linear in preparation.linears)
     draft = random_draft(target)
     generation_kwargs = SETTINGS[1]
     exact = exact_joint(target, generation_kwargs)
