@@ -305,6 +305,44 @@ def test_a_scaling_report_measured_otherwise_is_refused_not_mixed(tmp_path):
         scaling.load_report(path, conditions | {"max_new_tokens": 64})
 
 
+def test_the_scaling_plot_draws_each_set_against_records_per_block_size_and_against_steps(tmp_path):
+    scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
+    sets = ["held-out", "gsm8k"]
+
+    def row(point, records, block_size, step, tau):
+        return {"point": point, "records": records, "block_size": block_size, "step": step,
+                "tau": {name: tau + i / 10 for i, name in enumerate(sets)}}  # fmt: skip
+
+    results = [
+        row("committed", None, 8, None, 1.6),
+        row("1x", 1906, 8, 1600, 1.7),
+        row("3x", 5718, 8, 1600, 1.8),
+        row("10x", 19060, 8, 400, 1.75),
+        row("10x", 19060, 8, 800, 1.85),
+        row("10x", 19060, 8, 1600, 1.9),
+        row("10x-b16", 19060, 16, 1600, 2.0),
+    ]
+    report = {"conditions": {"prompts": dict.fromkeys(sets, 50), "max_steps": 1600}, "results": results}
+    fig = scaling.plot(report, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
+    by_data, by_steps = fig.axes
+    across = [line for line in by_data.lines if list(line.get_xdata()) == [0, 1]]  # axhline: axes coordinates
+    curves = sorted(
+        (list(line.get_xdata()), [round(tau, 6) for tau in line.get_ydata()])
+        for line in by_data.lines
+        if line not in across
+    )
+    assert sorted(round(line.get_ydata()[0], 6) for line in across) == [1.6, 1.7]  # the committed drafter
+    # block 8 from the final steps only (not the 10x point's 400 and 800), block 16 apart
+    assert curves == [
+        ([1906, 5718, 19060], [1.7, 1.8, 1.9]),
+        ([1906, 5718, 19060], [1.8, 1.9, 2.0]),
+        ([19060], [2.0]),
+        ([19060], [2.1]),
+    ]
+    assert [list(line.get_xdata()) for line in by_steps.lines] == [[400, 800, 1600]] * len(sets)  # 10x only
+
+
 def test_draft_vocab_coverage_counts_response_tokens_only_per_source_and_reads_a_drafters_rows(tmp_path):
     coverage = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "draft_vocab_coverage.py")
     records = [

@@ -143,9 +143,9 @@ def save(report: dict, path: Path) -> None:
         Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(report: dict, path: Path):
     """Tau per prompt set (one colour each) against records (final drafters; a line style per block size, the
-    baseline drafters dotted across) and against steps (per point)."""
+    baseline drafters dotted across) and against steps (per point), saved to `path`; returns the (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,6 +187,8 @@ def plot(report: dict, path: Path) -> None:
         axes.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return fig
 
 
 def table(report: dict) -> str:
