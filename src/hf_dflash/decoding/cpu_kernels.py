@@ -291,9 +291,7 @@ class PreparedLinear(nn.Linear):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             _log_autograd_once()  # the oneDNN ops have no backward
             return F.linear(x, self.weight, self.bias)
-        if self.kernel.chunk_rows or self.kernel.pad_single_row:  # exact mode: one kernel for every row count
-            return prepared_product(self.kernel, self._product, x)
-        return self._product(x)
+        return prepared_product(self.kernel, self._product, x)  # exact mode's padding, if any
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel.uses_packed(x.numel() // x.shape[-1]):
