@@ -1,5 +1,6 @@
 """The drafter's attention backends agree, a cached forward equals recomputing from scratch, `use_cache=False` leaves
-the cache alone, the forward compiles as one graph, and causal sliding layers see no later block slot."""
+the cache alone, the forward compiles as one graph, causal sliding layers see no later block slot, and the draft logits
+of a slice of the block are the target head's scores of its rows."""
 
 import pytest
 import torch
@@ -98,3 +99,29 @@ def test_causal_sliding_layers_see_no_later_block_slot(causal):
         before = draft(noise, context, position_ids=positions, attention_mask=keep).last_hidden_state
         after = draft(changed, context, position_ids=positions, attention_mask=keep).last_hidden_state
     assert torch.allclose(before[:, :-1], after[:, :-1]) == causal
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft_vocab_size", [None, 16])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_draft_logits_of_a_block_slice_are_the_heads_scores_of_its_rows(batch, draft_vocab_size, dtype):
+    """The loops pass `hidden[:, 1 : 1 + S]`, a slice whose rows `draft_logits` multiplies as a 2-D product (a view at
+    batch 1, a copy at batch 2): every `[row, slot]` must still get its own scores, and training's gradients flow."""
+    target = make_target("llama").to(dtype)
+    draft = make_draft(target, block_size=8, draft_vocab_size=draft_vocab_size).to(dtype)
+    if draft_vocab_size:
+        draft.set_draft_vocabulary(torch.arange(5, 21))
+    head = target.get_output_embeddings()
+    block = torch.randn(batch, 8, draft.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    hidden = block[:, 1:6]  # [b, 5, H]
+    rows = head.weight if draft_vocab_size is None else head.weight[draft.draft_token_ids]
+    with torch.no_grad():
+        logits = draft.draft_logits(hidden, head)
+        expected = torch.stack([torch.stack([row @ rows.float().T for row in slots]) for slots in hidden.float()])
+    assert logits.shape == (batch, 5, rows.shape[0]) and logits.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(logits.float(), expected, rtol=tolerance, atol=tolerance)
+    trained, row = block.float().requires_grad_(), batch - 1
+    draft.float().draft_logits(trained[:, 1:6], head.float())[row, 2].sum().backward()
+    touched = trained.grad.abs().sum(-1).nonzero().tolist()  # [row, block slot] pairs that got a gradient
+    assert touched == [[row, 3]]  # slice slot 2 is block slot 3, and only it
