@@ -76,6 +76,23 @@ def test_products_in_fixed_chunks_are_the_product_for_any_row_count():
         assert calls == [16] * -(-rows // 16)  # every call over exactly 16 rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_prepared_linears_take_slices_as_lm_heads_get_them(dtype, packed):
+    """transformers' heads take `hidden[:, -1:]` at prefill and the loops pass `hidden[:, 1:6]`: 3-D inputs without
+    default strides, which the stock kernel runs as rows (its 3-D bf16 path is slow) and the packed one as they are."""
+    linear = nn.Linear(40, 24, bias=True).to(dtype)
+    optimize_for_cpu(linear, choices=forced(packed))
+    hidden = torch.randn(2, 9, 40, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for x in (hidden[:1, -1:], hidden[:1, 1:6], hidden[:, 1:6], hidden.transpose(0, 1)):
+        with torch.no_grad():
+            got = linear(x)
+        expected = x.float() @ linear.weight.float().T + linear.bias.float()
+        assert got.shape == (*x.shape[:-1], 24) and got.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize(
     ("family", "dtype"), [("llama", torch.float32), ("qwen3", torch.float32), ("llama", torch.bfloat16)]
 )
