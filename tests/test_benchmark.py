@@ -11,7 +11,14 @@ from hf_dflash import bench
 from hf_dflash.bench import harness as benchmark
 from hf_dflash.bench import methods as bench_methods
 from hf_dflash.bench import peers
-from hf_dflash.bench.config import ALL_METHODS, SAMPLING_ONLY, STOCK_BASELINE, BenchmarkConfig, BenchmarkPrompt
+from hf_dflash.bench.config import (
+    ALL_METHODS,
+    FAST_BASELINE,
+    SAMPLING_ONLY,
+    STOCK_BASELINE,
+    BenchmarkConfig,
+    BenchmarkPrompt,
+)
 from hf_dflash.bench.harness import load_benchmark_prompts, measure_batch_throughput, run_benchmark
 from hf_dflash.bench.methods import default_methods, plain_thread_methods, plain_threads_name
 from hf_dflash.bench.plot import save_plot
@@ -384,6 +391,31 @@ def test_table_and_plot(report, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_table_counts_each_other_kernel_plains_differences_apart(report):
+    import dataclasses
+
+    from hf_dflash.bench.report import Mismatch
+
+    def difference(prompt_id, method):
+        return Mismatch(
+            prompt_id=prompt_id,
+            method=method,
+            repeat=0,
+            first_difference=3,
+            expected_tokens=12,
+            got_tokens=12,
+            expected=[1, 2],
+            got=[1, 3],
+        )
+
+    differing = [difference("toy/0", STOCK_BASELINE), difference("toy/0", FAST_BASELINE)]
+    differing.append(difference("toy/1", FAST_BASELINE))
+    lines = render_table(dataclasses.replace(report, stock_differences=differing)).splitlines()
+    assert f"{STOCK_BASELINE} differs from prepared plain on 1 prompt(s)" in "\n".join(lines)
+    assert f"{FAST_BASELINE} differs from prepared plain on 2 prompt(s)" in "\n".join(lines)
+    assert "identical outputs" in lines[-1]  # not failures
+
+
 def _fresh_models(monkeypatch) -> None:
     """The CLI loads a new tiny target and drafter each time (it prepares them for the CPU, as it would real ones)."""
     from hf_dflash import loading
@@ -491,6 +523,30 @@ def test_batches_are_padded_as_the_library_pads(draft):
     results = measure_batch_throughput(target, draft, prompts, [2], {"max_new_tokens": 3}, progress=False)
     assert inputs[0][1, :3].tolist() == [3, 3, 3] and inputs[0][1, 3:].tolist() == PROMPTS[1].input_ids.tolist()
     assert results[0].identical
+
+
+def test_an_exact_run_has_plain_on_fast_kernels_among_its_baselines(monkeypatch):
+    """With `--cpu_kernels exact` plain decoding at its fastest may be fast mode's: `plain_fast` is a baseline (single
+    and batched), run inside `CPUPreparation.fast`; its outputs may differ from exact plain's without failing."""
+    from hf_dflash.decoding.cpu_attention import EXACT_ATTENTION
+    from hf_dflash.decoding.cpu_kernels import CPUPreparation, optimize_target_and_draft_for_cpu
+
+    target = make_target("llama")
+    draft = make_draft(target, block_size=4, num_hidden_layers=1)
+    preparation = optimize_target_and_draft_for_cpu(target, draft, exact=True)
+    entered = []
+    real_fast = CPUPreparation.fast
+    monkeypatch.setattr(CPUPreparation, "fast", lambda self: entered.append(self) or real_fast(self))
+    config = tiny_config(methods=("ours",), batch_sizes=(2,))
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:2], preparation=preparation)
+    assert report.baselines == ["plain", STOCK_BASELINE, FAST_BASELINE]
+    assert {run for runs in report.per_prompt.values() for run in runs} >= {FAST_BASELINE, "ours"}
+    assert set(report.batch[0].plain_tokens_per_s_by_kernels) == {"plain", STOCK_BASELINE, FAST_BASELINE}
+    assert entered and all(entry is preparation for entry in entered)
+    assert report.identical and not report.failures  # exact ours matched exact plain; other plains are not judged
+    assert target.config._attn_implementation == EXACT_ATTENTION  # exact mode again after every plain_fast call
+    fast_prepared = optimize_target_and_draft_for_cpu(make_target("llama"), exact=False)
+    assert FAST_BASELINE not in benchmark._method_table(tiny_config(), None, fast_prepared, VerifyPlanner())[1]
 
 
 def test_batch_throughput_needs_one_repeat(target, draft):

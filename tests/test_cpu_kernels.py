@@ -379,6 +379,35 @@ def test_undo_restores_stock_modules_attention_and_bits():
     assert target.config._attn_implementation == "sdpa"
 
 
+def test_an_exact_preparation_runs_fast_modes_kernels_inside_fast_and_its_own_after():
+    """`CPUPreparation.fast` (the benchmark's `plain_fast`): inside, the logits of a model prepared fast with the same
+    choices, bitwise, and weights exact mode left unpacked packed; after, exact mode's kernels, attention and bits."""
+
+    class ExactStockFastPacked(KernelChoices):
+        def choose(self, weight, exact):  # exact: stock kernel in chunks, never packed; fast: packed at every count
+            return LinearKernel((not exact,) * len(MEASURED_ROWS), chunk_rows=16 if exact else 0)
+
+    ids = random_prompt(9, seed=2)[None]
+    fast_target = make_target("llama")
+    fast_target.set_attn_implementation("sdpa")
+    optimize_for_cpu(fast_target, choices=ExactStockFastPacked())
+    target = make_target("llama")
+    target.set_attn_implementation("sdpa")
+    preparation = optimize_for_cpu(target, exact=True, choices=ExactStockFastPacked())
+    assert preparation.packed_bytes == 0 and all(linear.packed_weight.packed is None for linear in preparation.linears)
+    with torch.no_grad():
+        exact = target(ids).logits
+        with preparation.fast():
+            assert target.config._attn_implementation == FAST_ATTENTION
+            assert all(linear.packed_weight.packed is not None for linear in preparation.linears)
+            assert torch.equal(target(ids).logits, fast_target(ids).logits)
+        assert target.config._attn_implementation == EXACT_ATTENTION
+        assert all(linear.kernel.chunk_rows == 16 for linear in preparation.linears)
+        assert torch.equal(target(ids).logits, exact)
+        assert not torch.equal(exact, fast_target(ids).logits)  # the two modes' bits differ: the switch mattered
+    assert preparation.packed_bytes > 0  # the copies fast mode packed are counted, and kept for the next entry
+
+
 def test_a_lora_target_is_prepared_under_its_adapter_and_stays_lossless():
     torch.manual_seed(0)
     base = make_target("llama")

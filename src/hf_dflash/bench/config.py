@@ -12,6 +12,8 @@ import torch
 
 BASELINE = "plain"
 STOCK_BASELINE = "plain_stock"  # plain decoding with the stock kernels, when the target was prepared for the CPU
+FAST_BASELINE = "plain_fast"  # plain decoding with fast mode's kernels, when the target was prepared exact
+OTHER_KERNEL_PLAINS = (STOCK_BASELINE, FAST_BASELINE)  # their outputs may differ from `plain`'s: not failures
 ALL_METHODS = (
     "plain",
     "prompt_lookup",

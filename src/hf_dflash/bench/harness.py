@@ -8,9 +8,10 @@ Design:
   setting (trees under sampling or on a target that cannot verify one) is left out and listed in
   `report.skipped_methods`, one that raises in the warm-up in `report.failed_methods`;
 - with a `CPUPreparation` (`optimize_for_cpu` on the target and drafter), `plain` runs the prepared kernels and
-  `plain_stock` the stock ones (the preparation suspended for the call); both are baselines, the faster counts, and
-  the target's cost curve is recorded for both; `plain_stock`'s outputs are compared with `plain` too, but a
-  difference there (fp32 products summed in another order) is listed in `stock_differences`, not as a failure;
+  `plain_stock` the stock ones (the preparation suspended for the call), and with an exact one `plain_fast` fast
+  mode's (`CPUPreparation.fast`): all are baselines, the fastest counts, and the target's cost curve is recorded for
+  prepared and stock kernels; the other plains' outputs are compared with `plain` too, but a difference there
+  (products summed in another order) is listed in `stock_differences`, not as a failure;
 - the baseline is plain decoding at its fastest thread count: `config.plain_threads` adds `plain_threads{n}`, and
   every speedup of a dataset is computed against whichever plain variant has the higher median tokens/s there
   (`bench.statistics.summarize`); every plain variant runs on every prompt;
@@ -35,6 +36,7 @@ tqdm, messages through its logger.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -48,7 +50,14 @@ import transformers
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from hf_dflash.bench.config import BASELINE, STOCK_BASELINE, BenchmarkConfig, BenchmarkPrompt
+from hf_dflash.bench.config import (
+    BASELINE,
+    FAST_BASELINE,
+    OTHER_KERNEL_PLAINS,
+    STOCK_BASELINE,
+    BenchmarkConfig,
+    BenchmarkPrompt,
+)
 from hf_dflash.bench.draft_step import time_draft_forward
 from hf_dflash.bench.methods import (
     Method,
@@ -56,6 +65,7 @@ from hf_dflash.bench.methods import (
     default_methods,
     extra_thread_counts,
     not_applicable,
+    plain_fast_method,
     plain_stock_method,
     plain_thread_methods,
     plain_threads_name,
@@ -236,7 +246,7 @@ def _method_table(
     planner: VerifyPlanner,
 ) -> tuple[dict[str, Method], list[str]]:
     """The name -> method table (a caller's own entries win) and the baselines: `plain`, the `plain_threads`
-    variants, and `plain_stock` when `preparation` is active."""
+    variants, `plain_stock` when `preparation` is active and `plain_fast` when it is also exact."""
     if methods is None:
         methods = default_methods(config.prompt_lookup_num_tokens, config.verify_costs, planner)
     baselines = [BASELINE] + [plain_threads_name(n) for n in extra_thread_counts(config.plain_threads)]
@@ -244,6 +254,9 @@ def _method_table(
     if preparation is not None and preparation.active:
         baselines.append(STOCK_BASELINE)
         methods = {STOCK_BASELINE: plain_stock_method(preparation)} | methods
+        if preparation.exact:
+            baselines.append(FAST_BASELINE)
+            methods = {FAST_BASELINE: plain_fast_method(preparation)} | methods
     return methods, baselines
 
 
@@ -322,12 +335,13 @@ def _timed_runs(
 
 
 def _compare_outputs(runs: Sequence[TimedRun], do_sample: bool) -> tuple[list[Mismatch], list[Mismatch]]:
-    """Greedy outputs against plain's: the mismatches, and `plain_stock`'s differences (not failures)."""
+    """Greedy outputs against plain's: the mismatches, and the differences of plain on other kernels (`plain_stock`,
+    `plain_fast`: not failures)."""
     differences = [] if do_sample else find_mismatches(runs)
-    mismatches = [m for m in differences if m.method != STOCK_BASELINE]
+    mismatches = [m for m in differences if m.method not in OTHER_KERNEL_PLAINS]
     for mismatch in mismatches:
         logger.error(f"OUTPUT MISMATCH vs {BASELINE}: {mismatch.to_json()}")
-    return mismatches, [m for m in differences if m.method == STOCK_BASELINE]
+    return mismatches, [m for m in differences if m.method in OTHER_KERNEL_PLAINS]
 
 
 def _dataset_summaries(
@@ -509,12 +523,12 @@ def measure_batch_throughput(
     round, tree rounds and plain steps are recorded. Each batch runs `repeats` times per path (median time);
     batches are padded and cut at EOS as the rest of the library does (`pad_token_id_of`, `token_ids`), with
     `generation_kwargs` over `target.generation_config`. With a `preparation`, batched plain decoding also runs
-    with the stock kernels and the speedup is against the faster plain."""
+    with the stock kernels (and an exact one's with fast mode's) and the speedup is against the fastest plain."""
     if repeats < 1:
         raise ValueError(f"measure_batch_throughput needs repeats >= 1 timed runs per batch, got {repeats}; pass 1.")
     device = target.device
     ours_kwargs = {"verify_costs": verify_costs, "planner": VerifyPlanner(), "optimize_cpu": False}
-    plains = ("plain", STOCK_BASELINE) if preparation is not None else ("plain",)
+    plains = ("plain", *_other_kernel_plains(preparation))
     generation = copy.deepcopy(target.generation_config)
     generation.update(**generation_kwargs)
     pad, eos_ids = pad_token_id_of(generation), token_ids(generation.eos_token_id)
@@ -523,15 +537,17 @@ def measure_batch_throughput(
         chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
         ids, mask = (t.to(device) for t in left_pad([p.input_ids for p in chosen], pad))
         warm = generation_kwargs | {"max_new_tokens": min(8, generation_kwargs["max_new_tokens"])}
-        target.generate(input_ids=ids, attention_mask=mask, **warm)
+        for name in plains:
+            with _plain_kernels(name, preparation):
+                target.generate(input_ids=ids, attention_mask=mask, **warm)
         speculative_generate(target, draft, ids, mask, **warm, **ours_kwargs)
         times: dict[str, list[float]] = {name: [] for name in (*plains, "ours")}
         for repeat in range(repeats):
             order = (*plains, "ours")
             for name in order if repeat % 2 == 0 else order[::-1]:
                 start = synchronized_clock(device)
-                if name == STOCK_BASELINE:
-                    with preparation.suspended():
+                if name in OTHER_KERNEL_PLAINS:
+                    with _plain_kernels(name, preparation):
                         target.generate(input_ids=ids, attention_mask=mask, **generation_kwargs)
                 elif name == "plain":
                     generated = target.generate(input_ids=ids, attention_mask=mask, **generation_kwargs)
@@ -545,7 +561,7 @@ def measure_batch_throughput(
                         row[ids.shape[1] : ids.shape[1] + n] for row, n in zip(out.sequences.tolist(), ours_counts)
                     ]
                 times[name].append(synchronized_clock(device) - start)
-        # stock plain's own tokens are not counted or compared: its rate assumes prepared plain's token count
+        # the other plains' own tokens are not counted or compared: their rates assume prepared plain's token count
         plain_rates = {name: sum(plain_counts) / median(times[name]) for name in plains}
         plain_rate = max(plain_rates.values())
         ours_rate = sum(ours_counts) / median(times["ours"])
@@ -570,6 +586,22 @@ def measure_batch_throughput(
             )
         )
     return results
+
+
+def _other_kernel_plains(preparation: CPUPreparation | None) -> tuple[str, ...]:
+    """The batched plain variants beside `plain`: stock kernels with a preparation, fast mode's with an exact one."""
+    if preparation is None:
+        return ()
+    return (STOCK_BASELINE, FAST_BASELINE) if preparation.exact else (STOCK_BASELINE,)
+
+
+def _plain_kernels(name: str, preparation: CPUPreparation | None) -> contextlib.AbstractContextManager:
+    """The kernels plain variant `name` runs on: the stock ones, fast mode's, or the prepared ones (`plain`)."""
+    if name == STOCK_BASELINE:
+        return preparation.suspended()
+    if name == FAST_BASELINE:
+        return preparation.fast()
+    return contextlib.nullcontext()
 
 
 __all__ = [

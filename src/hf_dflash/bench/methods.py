@@ -4,8 +4,9 @@ Design: a method is a plain function `(target, draft, input_ids [1, L], attentio
 -> (sequences, SpeculativeStats | None)`; its options are bound with `functools.partial`, so the harness times every
 path through one call. The methods:
 
-- `plain` (`target.generate`), `plain_stock` (the same with a `CPUPreparation` suspended: the stock kernels) and
-  `plain_threads{n}` (the same at `n` torch threads, restored afterwards): the baselines;
+- `plain` (`target.generate`), `plain_stock` (the same with a `CPUPreparation` suspended: the stock kernels),
+  `plain_fast` (an exact preparation switched to fast mode's kernels for the call) and `plain_threads{n}` (the same at
+  `n` torch threads, restored afterwards): the baselines;
 - `prompt_lookup` (`prompt_lookup_num_tokens`), `native` (transformers' own DFlash path, `speculation_type="dflash"`),
   `assisted` (`generate(assistant_model=draft)`, routed to `DFlashCandidateGenerator`);
 - four runs of `speculative_generate` with the same drafter: `ours` (`verify_costs`: "auto" plans each round, a tree,
@@ -45,6 +46,12 @@ def _plain(target, draft, input_ids, attention_mask, **kwargs):
 def _plain_stock(target, draft, input_ids, attention_mask, preparation: CPUPreparation, **kwargs):
     """Plain decoding with the stock kernels: the target's preparation suspended for the call."""
     with preparation.suspended():
+        return _plain(target, draft, input_ids, attention_mask, **kwargs)
+
+
+def _plain_fast(target, draft, input_ids, attention_mask, preparation: CPUPreparation, **kwargs):
+    """Plain decoding with fast mode's kernels: the target's exact preparation switched for the call."""
+    with preparation.fast():
         return _plain(target, draft, input_ids, attention_mask, **kwargs)
 
 
@@ -128,6 +135,11 @@ def default_methods(
 def plain_stock_method(preparation: CPUPreparation) -> Method:
     """`plain_stock`: plain decoding with `preparation` suspended for each call."""
     return functools.partial(_plain_stock, preparation=preparation)
+
+
+def plain_fast_method(preparation: CPUPreparation) -> Method:
+    """`plain_fast`: plain decoding with an exact `preparation` switched to fast mode's kernels for each call."""
+    return functools.partial(_plain_fast, preparation=preparation)
 
 
 def plain_threads_name(num_threads: int) -> str:

@@ -286,6 +286,13 @@ class PackedWeight:
             self.packed, self.version = pack_weight(weight), weight._version
         return self.packed
 
+    def pack_if_missing(self, weight: torch.Tensor) -> bool:
+        """Pack `weight` where no copy is held (exact mode can leave one unpacked); whether it did."""
+        if self.packed is not None:
+            return False
+        self.packed, self.version = pack_weight(weight), weight._version
+        return True
+
 
 class PreparedLinear(nn.Linear):
     """An `nn.Linear` that routes each call to the stock or the packed kernel (`CPUPreparation` sets its class and
@@ -342,6 +349,31 @@ class CPUPreparation:
             yield
         finally:
             self._use(prepared=True)
+
+    @contextlib.contextmanager
+    def fast(self) -> Iterator[None]:
+        """Run fast mode's kernels and attention inside the block, this exact preparation's after it: the benchmark's
+        `plain_fast` baseline, plain decoding at its fastest without leaving exact mode. The first entry measures the
+        fast choices (once per shape) and packs the weights they need that exact mode left unpacked; later entries only
+        switch. A fast preparation runs as it is."""
+        if not self.exact:
+            yield
+            return
+        exact_kernels = [linear.kernel for linear in self.linears]
+        for linear in self.linears:
+            linear.kernel = self.choices.choose(linear.weight, exact=False)
+            if linear.kernel.uses_any_packed and linear.packed_weight.pack_if_missing(linear.weight):
+                self.packed_bytes += linear.weight.numel() * linear.weight.element_size()
+        fast_attention = FAST_ATTENTION if self.previous_attention == "sdpa" else self.previous_attention
+        if self.attention is not None:
+            self.model.set_attn_implementation(fast_attention)
+        try:
+            yield
+        finally:
+            for linear, kernel in zip(self.linears, exact_kernels):
+                linear.kernel = kernel
+            if self.attention is not None:
+                self.model.set_attn_implementation(self.attention)
 
     def _use(self, prepared: bool) -> None:
         """Switch the swapped linears and the attention to the prepared or the stock implementation."""
