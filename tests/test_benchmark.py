@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import tempfile
 import time
@@ -22,7 +23,7 @@ from hf_dflash.bench.config import (
 from hf_dflash.bench.harness import load_benchmark_prompts, measure_batch_throughput, run_benchmark
 from hf_dflash.bench.methods import default_methods, plain_thread_methods, plain_threads_name
 from hf_dflash.bench.plot import save_plot
-from hf_dflash.bench.report import BenchmarkReport, PromptRun, render_table
+from hf_dflash.bench.report import BenchmarkReport, Mismatch, PromptRun, render_table
 from hf_dflash.bench.statistics import (
     count_new_tokens,
     first_difference,
@@ -392,10 +393,6 @@ def test_table_and_plot(report, tmp_path):
 
 
 def test_the_table_counts_each_other_kernel_plains_differences_apart(report):
-    import dataclasses
-
-    from hf_dflash.bench.report import Mismatch
-
     def difference(prompt_id, method):
         return Mismatch(
             prompt_id=prompt_id,
