@@ -36,7 +36,6 @@ tqdm, messages through its logger.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -52,7 +51,6 @@ from transformers.utils import logging
 
 from hf_dflash.bench.config import (
     BASELINE,
-    FAST_BASELINE,
     OTHER_KERNEL_PLAINS,
     STOCK_BASELINE,
     BenchmarkConfig,
@@ -65,8 +63,9 @@ from hf_dflash.bench.methods import (
     default_methods,
     extra_thread_counts,
     not_applicable,
-    plain_fast_method,
-    plain_stock_method,
+    other_kernel_plain_methods,
+    other_kernel_plains,
+    plain_kernels,
     plain_thread_methods,
     plain_threads_name,
 )
@@ -251,13 +250,8 @@ def _method_table(
         methods = default_methods(config.prompt_lookup_num_tokens, config.verify_costs, planner)
     baselines = [BASELINE] + [plain_threads_name(n) for n in extra_thread_counts(config.plain_threads)]
     methods = plain_thread_methods(config.plain_threads) | methods  # a caller's own entry wins
-    if preparation is not None and preparation.active:
-        baselines.append(STOCK_BASELINE)
-        methods = {STOCK_BASELINE: plain_stock_method(preparation)} | methods
-        if preparation.exact:
-            baselines.append(FAST_BASELINE)
-            methods = {FAST_BASELINE: plain_fast_method(preparation)} | methods
-    return methods, baselines
+    baselines += other_kernel_plains(preparation)
+    return other_kernel_plain_methods(preparation) | methods, baselines
 
 
 def _method_names(
@@ -528,7 +522,7 @@ def measure_batch_throughput(
         raise ValueError(f"measure_batch_throughput needs repeats >= 1 timed runs per batch, got {repeats}; pass 1.")
     device = target.device
     ours_kwargs = {"verify_costs": verify_costs, "planner": VerifyPlanner(), "optimize_cpu": False}
-    plains = ("plain", *_other_kernel_plains(preparation))
+    plains = ("plain", *other_kernel_plains(preparation))
     generation = copy.deepcopy(target.generation_config)
     generation.update(**generation_kwargs)
     pad, eos_ids = pad_token_id_of(generation), token_ids(generation.eos_token_id)
@@ -538,7 +532,7 @@ def measure_batch_throughput(
         ids, mask = (t.to(device) for t in left_pad([p.input_ids for p in chosen], pad))
         warm = generation_kwargs | {"max_new_tokens": min(8, generation_kwargs["max_new_tokens"])}
         for name in plains:
-            with _plain_kernels(name, preparation):
+            with plain_kernels(name, preparation):
                 target.generate(input_ids=ids, attention_mask=mask, **warm)
         speculative_generate(target, draft, ids, mask, **warm, **ours_kwargs)
         times: dict[str, list[float]] = {name: [] for name in (*plains, "ours")}
@@ -547,7 +541,7 @@ def measure_batch_throughput(
             for name in order if repeat % 2 == 0 else order[::-1]:
                 start = synchronized_clock(device)
                 if name in OTHER_KERNEL_PLAINS:
-                    with _plain_kernels(name, preparation):
+                    with plain_kernels(name, preparation):
                         target.generate(input_ids=ids, attention_mask=mask, **generation_kwargs)
                 elif name == "plain":
                     generated = target.generate(input_ids=ids, attention_mask=mask, **generation_kwargs)
@@ -586,22 +580,6 @@ def measure_batch_throughput(
             )
         )
     return results
-
-
-def _other_kernel_plains(preparation: CPUPreparation | None) -> tuple[str, ...]:
-    """The batched plain variants beside `plain`: stock kernels with a preparation, fast mode's with an exact one."""
-    if preparation is None:
-        return ()
-    return (STOCK_BASELINE, FAST_BASELINE) if preparation.exact else (STOCK_BASELINE,)
-
-
-def _plain_kernels(name: str, preparation: CPUPreparation | None) -> contextlib.AbstractContextManager:
-    """The kernels plain variant `name` runs on: the stock ones, fast mode's, or the prepared ones (`plain`)."""
-    if name == STOCK_BASELINE:
-        return preparation.suspended()
-    if name == FAST_BASELINE:
-        return preparation.fast()
-    return contextlib.nullcontext()
 
 
 __all__ = [

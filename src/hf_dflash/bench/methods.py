@@ -21,6 +21,7 @@ carries from prompt to prompt.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 
@@ -28,7 +29,14 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import logging
 
-from hf_dflash.bench.config import COST_CURVE_TOKENS, GREEDY_ONLY, SAMPLING_ONLY, TREE_METHODS
+from hf_dflash.bench.config import (
+    COST_CURVE_TOKENS,
+    FAST_BASELINE,
+    GREEDY_ONLY,
+    SAMPLING_ONLY,
+    STOCK_BASELINE,
+    TREE_METHODS,
+)
 from hf_dflash.decoding.cpu_kernels import CPUPreparation
 from hf_dflash.decoding.policy import VerifyCosts, VerifyPlanner
 from hf_dflash.decoding.speculative import SpeculativeStats, speculative_generate, tree_unsupported_reason
@@ -43,15 +51,9 @@ def _plain(target, draft, input_ids, attention_mask, **kwargs):
     return target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), None
 
 
-def _plain_stock(target, draft, input_ids, attention_mask, preparation: CPUPreparation, **kwargs):
-    """Plain decoding with the stock kernels: the target's preparation suspended for the call."""
-    with preparation.suspended():
-        return _plain(target, draft, input_ids, attention_mask, **kwargs)
-
-
-def _plain_fast(target, draft, input_ids, attention_mask, preparation: CPUPreparation, **kwargs):
-    """Plain decoding with fast mode's kernels: the target's exact preparation switched for the call."""
-    with preparation.fast():
+def _plain_on_other_kernels(target, draft, input_ids, attention_mask, name: str, preparation, **kwargs):
+    """Plain decoding on the kernels of plain variant `name` (`plain_kernels`), for the call."""
+    with plain_kernels(name, preparation):
         return _plain(target, draft, input_ids, attention_mask, **kwargs)
 
 
@@ -132,14 +134,30 @@ def default_methods(
     }
 
 
-def plain_stock_method(preparation: CPUPreparation) -> Method:
-    """`plain_stock`: plain decoding with `preparation` suspended for each call."""
-    return functools.partial(_plain_stock, preparation=preparation)
+def other_kernel_plains(preparation: CPUPreparation | None) -> tuple[str, ...]:
+    """The plain variants on other kernels than `plain`'s: `plain_stock` beside an active preparation, and
+    `plain_fast` beside an exact one."""
+    if preparation is None or not preparation.active:
+        return ()
+    return (STOCK_BASELINE, FAST_BASELINE) if preparation.exact else (STOCK_BASELINE,)
 
 
-def plain_fast_method(preparation: CPUPreparation) -> Method:
-    """`plain_fast`: plain decoding with an exact `preparation` switched to fast mode's kernels for each call."""
-    return functools.partial(_plain_fast, preparation=preparation)
+def plain_kernels(name: str, preparation: CPUPreparation | None) -> contextlib.AbstractContextManager:
+    """The kernels plain variant `name` runs on: the stock ones (`preparation` suspended), fast mode's (an exact
+    `preparation` switched by `CPUPreparation.fast`), or the prepared ones (`plain`)."""
+    if name == STOCK_BASELINE:
+        return preparation.suspended()
+    if name == FAST_BASELINE:
+        return preparation.fast()
+    return contextlib.nullcontext()
+
+
+def other_kernel_plain_methods(preparation: CPUPreparation | None) -> dict[str, Method]:
+    """`plain_stock` and `plain_fast` (as `other_kernel_plains` says) as methods."""
+    return {
+        name: functools.partial(_plain_on_other_kernels, name=name, preparation=preparation)
+        for name in other_kernel_plains(preparation)
+    }
 
 
 def plain_threads_name(num_threads: int) -> str:
