@@ -364,9 +364,10 @@ class CPUPreparation:
             linear.kernel = self.choices.choose(linear.weight, exact=False)
             if linear.kernel.uses_any_packed and linear.packed_weight.pack_if_missing(linear.weight):
                 self.packed_bytes += linear.weight.numel() * linear.weight.element_size()
-        fast_attention = FAST_ATTENTION if self.previous_attention == "sdpa" else self.previous_attention
         if self.attention is not None:
-            self.model.set_attn_implementation(fast_attention)
+            self.model.set_attn_implementation(
+                _fast_mode_attention(self.previous_attention) or self.previous_attention
+            )
         try:
             yield
         finally:
@@ -487,12 +488,18 @@ def _switch_attention(model: nn.Module, preparation: CPUPreparation) -> None:
             )
         return
     previous = model.config._attn_implementation
-    wanted = EXACT_ATTENTION if preparation.exact else FAST_ATTENTION if previous == "sdpa" else None
+    wanted = EXACT_ATTENTION if preparation.exact else _fast_mode_attention(previous)
     if wanted is None:
         return
     register_cpu_attention()
     model.set_attn_implementation(wanted)
     preparation.attention, preparation.previous_attention = wanted, previous
+
+
+def _fast_mode_attention(previous: str | None) -> str | None:
+    """The attention fast mode sets over `previous`: `"sdpa_gqa"` over transformers' default `"sdpa"`, else none (an
+    explicit choice such as `"eager"` is kept)."""
+    return FAST_ATTENTION if previous == "sdpa" else None
 
 
 def is_optimized_for_cpu(model: nn.Module) -> bool:
