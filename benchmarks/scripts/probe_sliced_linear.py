@@ -2,7 +2,8 @@
 bf16, at the two heads the loops multiply by slices: the drafter's 8,192-row draft-vocabulary head over
 `hidden[:, 1:8]` (`DFlashForDrafting.draft_logits`) and SmolLM2's 49,152-row head over `hidden[:, -1:]` (transformers'
 `logits_to_keep` at prefill). Random weights of those shapes (the cost does not depend on the values); medians of
-`--repeats` calls after a warm-up, one process, nothing else running.
+`--repeats` calls after a warm-up (`cpu_kernels.median_us`, as the kernel choice times), one process, nothing else
+running.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/probe_sliced_linear.py \
         --output benchmarks/results/probe_sliced_linear_xeon.json
@@ -11,11 +12,11 @@ bf16, at the two heads the loops multiply by slices: the drafter's 8,192-row dra
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import sys
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -23,23 +24,18 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from hf_dflash.bench.harness import cpu_model  # noqa: E402
-from hf_dflash.decoding.cpu_kernels import pack_weight, packed_kernels_available, packed_linear  # noqa: E402
+from hf_dflash.decoding.cpu_kernels import (  # noqa: E402
+    median_us,
+    pack_weight,
+    packed_kernels_available,
+    packed_linear,
+)
 
 HIDDEN = 576  # SmolLM2-135M
 CASES = {  # name: (head rows, positions in the hidden states, the slice the loop takes)
     "draft head, hidden[:, 1:8] of 8": (8192, 8, slice(1, 8)),
     "target head, hidden[:, -1:] of 200 (prefill)": (49152, 200, slice(-1, None)),
 }
-
-
-def median_ms(product, x: torch.Tensor, weight: torch.Tensor, repeats: int) -> float:
-    product(x, weight)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        product(x, weight)
-        times.append(time.perf_counter() - start)
-    return round(1000 * sorted(times)[len(times) // 2], 3)
 
 
 def packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -59,8 +55,9 @@ def measure(dtype: torch.dtype, repeats: int) -> list[dict]:
         if packed_kernels_available():
             products["packed"] = (packed_product, pack_weight(weight))
         for kernel, (product, operand) in products.items():
-            row[f"{kernel}_3d_slice_ms"] = median_ms(product, sliced, operand, repeats)
-            row[f"{kernel}_2d_rows_ms"] = median_ms(product, flat, operand, repeats)
+            for shape, x in (("3d_slice", sliced), ("2d_rows", flat)):
+                run = functools.partial(product, x)  # run(operand): the product on x
+                row[f"{kernel}_{shape}_ms"] = round(median_us(run, [operand], repeats) / 1000, 3)
         row["stock_slice_over_rows"] = round(row["stock_3d_slice_ms"] / row["stock_2d_rows_ms"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)

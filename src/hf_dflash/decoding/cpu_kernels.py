@@ -152,13 +152,13 @@ class KernelChoices:
         # with one hot copy the stock 1-row kernel looks 1.2-2x faster than it runs in a model.
         weights = _cold_copies(weight)
         stock_us = [
-            _median_us(lambda w, rows=rows: F.linear(x[:rows], w), weights, self.repeats) for rows in MEASURED_ROWS
+            median_us(lambda w, rows=rows: F.linear(x[:rows], w), weights, self.repeats) for rows in MEASURED_ROWS
         ]
         packed_us = None
         if packed is not None:
             packs = [packed] + [pack_weight(w) for w in weights[1:]]
             packed_us = [
-                _median_us(lambda p, rows=rows: packed_linear(x[:rows], p, None), packs, self.repeats)
+                median_us(lambda p, rows=rows: packed_linear(x[:rows], p, None), packs, self.repeats)
                 for rows in MEASURED_ROWS
             ]
         if not exact:
@@ -250,7 +250,7 @@ def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight.detach()] + [weight.detach().clone() for _ in range(count - 1)]
 
 
-def _median_us(run, operands: list[torch.Tensor], repeats: int) -> float:
+def median_us(run, operands: list[torch.Tensor], repeats: int) -> float:
     """Median microseconds of `run(operand)`, per operand, over `repeats` passes through all of `operands`."""
     run(operands[0])  # warm-up (first-call allocation, oneDNN primitive creation)
     times = []
