@@ -51,7 +51,9 @@ def _plain(target, draft, input_ids, attention_mask, **kwargs):
     return target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), None
 
 
-def _plain_on_other_kernels(target, draft, input_ids, attention_mask, name: str, preparation, **kwargs):
+def _plain_on_other_kernels(
+    target, draft, input_ids, attention_mask, name: str, preparation: CPUPreparation, **kwargs
+):
     """Plain decoding on the kernels of plain variant `name` (`plain_kernels`), for the call."""
     with plain_kernels(name, preparation):
         return _plain(target, draft, input_ids, attention_mask, **kwargs)
