@@ -1,5 +1,7 @@
 """Verifying only the proposals worth their cost (`verify_costs`): the choice itself, and that the output stays the
-target's own, greedy token for token and sampled by a chi-square test."""
+target's own, greedy token for token and sampled by a chi-square test. Where the fallback's judgement of measured
+seconds matters, the loops read a modelled clock (`ModelledDevice`), never wall time, so no result depends on the
+machine's load."""
 
 import functools
 
@@ -11,7 +13,46 @@ from test_sampling import PROMPT, SETTINGS, chi_square_pvalue, exact_joint, peak
 from transformers import GenerationConfig
 
 from hf_dflash import speculative_generate
+from hf_dflash.decoding import speculative
 from hf_dflash.decoding.policy import Fallback, VerifyCosts, VerifyPlanner, measure_verify_costs
+from hf_dflash.model import generation_dflash
+
+USELESS_DRAFT_COSTS = VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13)  # SmolLM2's shape on a CPU
+
+
+class ModelledDevice:
+    """A clock that advances by the modelled cost of each forward instead of wall time, so that the fallback's
+    judgement of measured seconds is the same on a loaded machine as on an idle one: a target forward over n new
+    tokens takes `costs.verify[n - 1]` (growing by the last step beyond them), a draft forward `costs.draft`."""
+
+    def __init__(self):
+        self.costs, self.now = None, 0.0
+
+    def attach(self, target, draft, costs: VerifyCosts = USELESS_DRAFT_COSTS) -> None:
+        self.costs = costs
+        target.register_forward_pre_hook(self._bill_target, with_kwargs=True)
+        draft.register_forward_pre_hook(self._bill_draft)
+
+    def clock(self, device: torch.device) -> float:
+        return self.now
+
+    def _bill_target(self, module, args, kwargs) -> None:
+        num_tokens = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).shape[1]
+        verify = self.costs.verify
+        step = verify[-1] - verify[-2] if len(verify) > 1 else 0.0
+        self.now += verify[min(num_tokens, len(verify)) - 1] + step * max(0, num_tokens - len(verify))
+
+    def _bill_draft(self, module, args) -> None:
+        self.now += self.costs.draft
+
+
+@pytest.fixture
+def modelled_device(monkeypatch):
+    """`attach(target, draft, costs)`: both decoding loops read the modelled clock from then on."""
+    device = ModelledDevice()
+    monkeypatch.setattr(speculative, "synchronized_clock", device.clock)
+    monkeypatch.setattr(generation_dflash, "synchronized_clock", device.clock)
+    return device
 
 
 def quadratic_costs(block_size: int, growth: float) -> VerifyCosts:
@@ -99,15 +140,17 @@ def test_fallback_judges_a_batch_against_plain_decoding_of_every_row():
     assert not fallback.should_draft()
 
 
-def test_a_useless_draft_costs_little_more_than_plain_decoding():
+def test_a_useless_draft_costs_little_more_than_plain_decoding(modelled_device):
     """A draft that is never right, yet sure of itself: after a few rounds the loop decodes plainly, probing now and
     then, so its cost stays near plain decoding's. Costs shaped like SmolLM2's on this CPU (a draft 0.13x a
-    step, 2 tokens 1.12x), linear beyond the first step so that the totals give the exact cost."""
+    step, 2 tokens 1.12x), linear beyond the first step so that the totals give the exact cost; the loop's clock
+    bills the same costs."""
     target = make_target("llama")
     prompt = random_prompt(10, seed=2)
     reference = greedy_reference(target, prompt, 200)
     draft = make_oracle(target, [reference], p_wrong=1.0, block_size=4)
-    costs = VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13)  # verify(n) = 1 + 0.12 (n - 1)
+    modelled_device.attach(target, draft)
+    costs = USELESS_DRAFT_COSTS  # verify(n) = 1 + 0.12 (n - 1)
     out = speculative_generate(target, draft, prompt[None], max_new_tokens=200, verify_costs=costs, tree=False)
     stats = out.stats
     assert out.sequences[0].tolist() == reference.tolist()
@@ -120,7 +163,7 @@ def test_a_useless_draft_costs_little_more_than_plain_decoding():
     assert cost / (200 - 1) < 1.06  # 199 plain steps after the prefill
 
 
-def test_the_fallback_judgement_carries_from_one_call_to_the_next():
+def test_the_fallback_judgement_carries_from_one_call_to_the_next(modelled_device):
     """Each prompt must not pay the probes again: a second call with the same planner goes on with the pause the
     first one reached (a probe of 4 rounds, then 256 steps), while another decoding path or a new planner start
     afresh."""
@@ -128,7 +171,8 @@ def test_the_fallback_judgement_carries_from_one_call_to_the_next():
     prompt = random_prompt(10, seed=2)
     reference = greedy_reference(target, prompt, 200)
     draft = make_oracle(target, [reference], p_wrong=1.0, block_size=4)
-    costs = VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13)
+    modelled_device.attach(target, draft)
+    costs = USELESS_DRAFT_COSTS
     planner = VerifyPlanner()
     run = functools.partial(
         speculative_generate, target, draft, prompt[None], max_new_tokens=200, tree=False, verify_costs=costs
@@ -154,18 +198,21 @@ def test_a_planner_is_shared_not_copied_and_keeps_no_state_on_the_models():
     planner = VerifyPlanner(costs=VerifyCosts(verify=(1.0, 1.1, 1.2, 1.3), draft=0.1))
     assert copy.deepcopy(planner) is planner  # `generate` deep-copies its generation config
     before = (set(vars(target)), set(vars(draft)))
-    speculative_generate(target, draft, random_prompt(6, 1)[None], max_new_tokens=6, verify_costs="auto", planner=planner)
+    speculative_generate(
+        target, draft, random_prompt(6, 1)[None], max_new_tokens=6, verify_costs="auto", planner=planner
+    )
     assert (set(vars(target)), set(vars(draft))) == before
     assert planner.costs_for(target, draft, batch_size=1) is planner.costs  # fixed costs are never measured
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_generate_with_a_costed_useless_drafter_skips_drafting_and_stays_exact(do_sample):
+def test_generate_with_a_costed_useless_drafter_skips_drafting_and_stays_exact(do_sample, modelled_device):
     target = make_target("llama")
     prompt = random_prompt(10, seed=2)
     reference = greedy_reference(target, prompt, 120)
     draft = make_oracle(target, [reference], p_wrong=1.0, block_size=4)
-    planner = VerifyPlanner(costs=VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13))
+    modelled_device.attach(target, draft)
+    planner = VerifyPlanner(costs=USELESS_DRAFT_COSTS)
     calls = []
     draft.register_forward_hook(lambda *args: calls.append(1))
     sampling = {"do_sample": True, "top_k": 1} if do_sample else {"do_sample": False}  # top-k 1: sampling = greedy
@@ -210,12 +257,13 @@ def test_measured_costs_cover_the_block_and_are_cached_per_batch_size():
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gpt2"])
 @pytest.mark.parametrize("growth", [0.05, 0.3])
 @pytest.mark.parametrize("p_wrong", [0.0, 0.3])
-def test_greedy_identical_when_verifying_fewer_proposals(family, growth, p_wrong):
+def test_greedy_identical_when_verifying_fewer_proposals(family, growth, p_wrong, modelled_device):
     target = make_target(family)
     prompt = random_prompt(20, seed=11)
     with torch.no_grad():
         reference = target.generate(prompt[None], max_new_tokens=50, do_sample=False)[0]
     draft = make_oracle(target, [reference], p_wrong, block_size=8)
+    modelled_device.attach(target, draft, quadratic_costs(8, growth))
     ours = speculative_generate(
         target, draft, prompt[None], max_new_tokens=50, verify_costs=quadratic_costs(8, growth)
     )
@@ -225,13 +273,14 @@ def test_greedy_identical_when_verifying_fewer_proposals(family, growth, p_wrong
     assert ours.stats.tau > 1
 
 
-def test_batched_rows_stay_exact_when_verifying_fewer_proposals():
+def test_batched_rows_stay_exact_when_verifying_fewer_proposals(modelled_device):
     target = make_target("qwen2")
     prompts = [random_prompt(n, seed=200 + n) for n in (4, 25, 13)]
     input_ids, attention_mask = left_pad(prompts)
     with torch.no_grad():
         references = [target.generate(p[None], max_new_tokens=40, do_sample=False)[0] for p in prompts]
     draft = make_oracle(target, references, p_wrong=0.2, block_size=8, seed=3)
+    modelled_device.attach(target, draft, quadratic_costs(8, 0.1))
     out = speculative_generate(
         target, draft, input_ids, attention_mask, max_new_tokens=40, verify_costs=quadratic_costs(8, 0.1)
     )
@@ -260,7 +309,7 @@ def test_sampling_stays_lossless_when_verifying_fewer_proposals(generation_kwarg
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_generate_with_a_costed_drafter_proposes_fewer_and_stays_exact(family, monkeypatch):
+def test_generate_with_a_costed_drafter_proposes_fewer_and_stays_exact(family, monkeypatch, modelled_device):
     from hf_dflash import DFlashCandidateGenerator
 
     target = make_target(family)
@@ -268,6 +317,7 @@ def test_generate_with_a_costed_drafter_proposes_fewer_and_stays_exact(family, m
     with torch.no_grad():
         reference = target.generate(prompt[None], max_new_tokens=40, do_sample=False)[0]
     draft = make_oracle(target, [reference], p_wrong=0.3, block_size=8)
+    modelled_device.attach(target, draft, quadratic_costs(8, 0.1))
     planner = VerifyPlanner(costs=quadratic_costs(8, 0.1))
     proposed = []
     original = DFlashCandidateGenerator.get_candidates
