@@ -131,6 +131,7 @@ def _folders() -> list[Path]:
     wanted = {Path("."), Path("src/hf_dflash"), Path("benchmarks"), Path("drafters")}
     return [ROOT / folder for folder in tracked if folder.parent in wanted and folder != Path(".")] + [PACKAGE]
 
+
 def test_every_public_name_resolves_and_training_loads_on_first_use():
     import sys
 

@@ -151,7 +151,9 @@ def test_block_size_drives_llama_cpp_arguments():
     ],
 )
 def test_serving_notes_say_which_engine_misreads_what(config, expected, absent):
-    serving = section(render_model_card(filled_info(**config)).text, "Serving with vLLM, SGLang, llama.cpp and OpenVINO")
+    serving = section(
+        render_model_card(filled_info(**config)).text, "Serving with vLLM, SGLang, llama.cpp and OpenVINO"
+    )
     for phrase in expected:
         assert phrase in serving
     for phrase in absent:

@@ -9,7 +9,9 @@ from test_generation import random_prompt
 
 from hf_dflash.decoding.policy import VerifyCosts
 
-replay_verify_policy = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "replay_verify_policy.py")
+replay_verify_policy = load_module(
+    Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "replay_verify_policy.py"
+)
 
 
 def _record(p_wrong: float, max_new_tokens: int = 40):

@@ -105,7 +105,9 @@ def main() -> None:
                 record = {"id": prompt.id, "ours": ours(target, draft, tokenizer, prompt, args.max_new_tokens)}
                 record["llama.cpp"] = engine(runs)
                 records.append(record)
-                print(prompt.id, round(record["ours"]["tau"], 2), runs["dflash_reduced"].mean_accepted_length, flush=True)
+                print(
+                    prompt.id, round(record["ours"]["tau"], 2), runs["dflash_reduced"].mean_accepted_length, flush=True
+                )
     report = summarize(records, args, draft_tokens)
     write_text_atomic(args.output, json.dumps(report, indent=1) + "\n")
     print(json.dumps({key: value for key, value in report.items() if key != "prompts"}))
@@ -115,7 +117,9 @@ def summarize(records: list[dict], args: argparse.Namespace, draft_tokens: int) 
     def same(first: str, second: str) -> int:
         """Prompts where the two texts agree as far as both go (`llama_cpp.texts_agree`)."""
         return sum(
-            llama_cpp.texts_agree(*[(r["llama.cpp"][k] if k in r["llama.cpp"] else r[k])["text"] for k in (first, second)])
+            llama_cpp.texts_agree(
+                *[(r["llama.cpp"][k] if k in r["llama.cpp"] else r[k])["text"] for k in (first, second)]
+            )
             for r in records
         )
 

@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
             "context_length": args.context,
             "verify_repeats": args.repeats,
             "draft_repeats": args.draft_repeats,
-            "command": " ".join(["python benchmarks/scripts/probe_gpu_costs.py", *(sys.argv[1:] if argv is None else argv)]),
+            "command": " ".join(
+                ["python benchmarks/scripts/probe_gpu_costs.py", *(sys.argv[1:] if argv is None else argv)]
+            ),
         },
         # the target's forward over n new tokens (what verifying n - 1 drafts plus the bonus costs)
         "verify": [

@@ -54,9 +54,7 @@ def counted_record_plan(self, tree, drafted):
 
 def speculative_run(ids, drafting=True):
     policy.Fallback.should_draft = timed_should_draft if drafting else lambda self: False
-    out = speculative_generate(
-        target, draft, ids, max_new_tokens=max_new_tokens, verify_costs="auto", planner=planner
-    )
+    out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens, verify_costs="auto", planner=planner)
     decisions.append((time.perf_counter(), None))
     return out.sequences.shape[1] - ids.shape[1]
 

@@ -45,7 +45,6 @@ class RecordingCosts(VerifyCosts):
         return path_probs.shape[1]
 
 
-
 class NeverFallingBack(VerifyPlanner):
     """A planner whose fallback, on any path, never judges (its window is shorter than the rounds it waits for):
     every step drafts."""
