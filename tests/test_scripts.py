@@ -202,17 +202,30 @@ def test_compare_drafters_gives_each_sets_gain_a_paired_interval_and_a_verdict_t
     assert compare.verdict(wobbly) == {"better_on_every_set": True, "resolved_on_every_set": False}
 
 
-def test_compare_drafters_reuses_the_current_drafter_only_under_the_same_conditions(tmp_path):
+def test_compare_drafters_reuses_the_current_drafter_only_under_the_same_conditions_and_weights(tmp_path):
     compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "compare_drafters.py")
     conditions = {"target": "t", "prompts": {"gsm8k": 2}, "max_new_tokens": 8, "verify": "v"}
     acceptance = {"gsm8k": {"tau": 2.0, "committed": [4, 4], "rounds": [2, 2]}}
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "model.safetensors").write_bytes(b"weights measured")
     report = tmp_path / "report.json"
-    report.write_text(json.dumps({"conditions": conditions, "current": {"path": "d", "acceptance": acceptance}}))
+    report.write_text(
+        json.dumps({"conditions": conditions, "current": compare.drafter_entry(str(drafter), acceptance)})
+    )
 
-    assert compare.reused_current(None, "d", conditions) is None
-    assert compare.reused_current(str(report), "d", conditions) == acceptance
+    assert compare.reused_current(None, str(drafter), conditions) is None
+    assert compare.reused_current(str(report), str(drafter), conditions) == acceptance
     with pytest.raises(SystemExit, match="another max_new_tokens, current drafter; drop --reuse"):
         compare.reused_current(str(report), "other", conditions | {"max_new_tokens": 9})
+    (drafter / "model.safetensors").write_bytes(b"weights committed since")  # the same path, other weights
+    with pytest.raises(SystemExit, match="another current drafter's weights"):
+        compare.reused_current(str(report), str(drafter), conditions)
+    (drafter / "model.safetensors").write_bytes(b"weights measured")
+    unrecorded = {"conditions": conditions, "current": {"path": str(drafter), "acceptance": acceptance}}
+    report.write_text(json.dumps(unrecorded))  # a report written before weights were recorded
+    with pytest.raises(SystemExit, match="or none recorded"):
+        compare.reused_current(str(report), str(drafter), conditions)
 
 
 def test_package_functions_come_from_the_named_package_and_skip_what_is_taken():

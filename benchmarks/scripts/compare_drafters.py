@@ -11,12 +11,14 @@ with a 90% interval from a paired bootstrap over the prompts, and whether it gai
 
 `better_on_every_set` compares the measured taus; `resolved_on_every_set` asks more, a gain whose whole interval lies
 above zero on every set. `--reuse REPORT` reads the current drafter's runs from an earlier report measured the same
-way (greedy whole-block tau is deterministic), so a second candidate costs one drafter's time.
+way (greedy whole-block tau is deterministic) on the same weights (a folder's path names whatever was committed there
+last, so each drafter's entry records the sha256 of its weights), so a second candidate costs one drafter's time.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -38,6 +40,7 @@ from peft_acceptance import (  # noqa: E402
     taus,
 )
 
+from hf_dflash.atomic_files import write_text_atomic  # noqa: E402
 from hf_dflash.data.prompts import load_prompts, split_set_limit  # noqa: E402
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
 
@@ -63,15 +66,34 @@ def verdict(set_gains: dict[str, dict]) -> dict[str, bool]:
     }
 
 
+def weights_sha256(drafter: str) -> str | None:
+    """sha256 over the `*.safetensors` files at the top of a local drafter folder (names and bytes, in name order);
+    None for a Hub id."""
+    folder = Path(drafter)
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(folder.glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with file.open("rb") as weights:
+            for chunk in iter(lambda: weights.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def reused_current(path: str | None, drafter: str, conditions: dict) -> dict | None:
-    """The current drafter's runs from an earlier report of this script, when it measured that drafter under the same
-    conditions; None without `--reuse`."""
+    """The current drafter's runs from an earlier report of this script, when it measured the same weights (a local
+    folder's, by sha256) under the same conditions; None without `--reuse`."""
     if path is None:
         return None
     report = json.loads(Path(path).read_text())
     differing = differing_conditions(report["conditions"], conditions)
     if report["current"]["path"] != drafter:
         differing.append("current drafter")
+    else:
+        recorded, now = report["current"].get("weights_sha256"), weights_sha256(drafter)
+        if now is None or recorded != now:
+            differing.append("current drafter's weights (or none recorded)")
     if differing:
         raise SystemExit(f"--reuse {path}: measured with another {', '.join(differing)}; drop --reuse to rerun it.")
     return report["current"]["acceptance"]
@@ -86,8 +108,9 @@ def measure(target, tokenizer, drafter: str, prompts: dict, max_new_tokens: int)
 
 
 def drafter_entry(path: str, acceptance: dict) -> dict:
-    """A drafter's part of the report: where it is, its tau per set and its runs per prompt."""
-    return {"path": path, "tau": taus(acceptance), "acceptance": acceptance}
+    """A drafter's part of the report: where it is, the sha256 of its weights, its tau per set and its runs per
+    prompt."""
+    return {"path": path, "weights_sha256": weights_sha256(path), "tau": taus(acceptance), "acceptance": acceptance}
 
 
 def main() -> None:
@@ -126,8 +149,7 @@ def main() -> None:
         "gain": set_gains,
         **verdict(set_gains),
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    write_text_atomic(args.output, json.dumps(report, indent=1) + "\n")
     print(json.dumps(report))
 
 
