@@ -311,18 +311,28 @@ def test_fine_tune_cost_is_the_base_drafters_tau_lost_with_a_paired_bootstrap_in
     assert script.fine_tune_costs(results[:1]) is None
 
 
-def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions(tmp_path):
+def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions_and_weights(tmp_path):
     import json
 
     script = _peft_acceptance_script()
     conditions = {"target": "t", "target_adapter": "a", "prompts": {"gsm8k": 2}, "max_new_tokens": 8, "verify": "v"}
-    measured = {"target": "base", "drafter": "base", "path": "d", "tau": {}, "acceptance": {}}
+    drafter = tmp_path / "d"
+    drafter.mkdir()
+    (drafter / "model.safetensors").write_bytes(b"weights measured")
+    sha = script.weights_sha256(str(drafter))
+    measured = {
+        "target": "base",
+        "drafter": "base",
+        "path": str(drafter),
+        "weights_sha256": sha,
+        "tau": {},
+        "acceptance": {},
+    }
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"conditions": conditions | {"machine": "other"}, "results": [measured]}))
 
-    assert script.reusable_results([str(report)], conditions) == {
-        ("base", "base", "d"): measured | {"reused_from": str(report)}
-    }
+    key = ("base", "base", str(drafter), sha)
+    assert script.reusable_results([str(report)], conditions) == {key: measured | {"reused_from": str(report)}}
     with pytest.raises(SystemExit, match="other prompts, max_new_tokens; rerun"):
         script.reusable_results([str(report)], conditions | {"prompts": {"gsm8k": 3}, "max_new_tokens": 9})
 
@@ -330,9 +340,17 @@ def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions(tm
     tuned = measured | {"target": "tuned", "drafter": "lora"}
     report.write_text(json.dumps({"conditions": conditions, "results": [measured, tuned]}))
     assert script.reusable_results([str(report)], conditions | {"target_adapter": "b"}) == {
-        ("base", "base", "d"): measured | {"reused_from": str(report)}
+        key: measured | {"reused_from": str(report)}
     }
     assert len(script.reusable_results([str(report)], conditions)) == 2
+
+    # The same path with other weights committed since looks the pair up under another key; a result that recorded
+    # no weights is never reused.
+    (drafter / "model.safetensors").write_bytes(b"weights committed since")
+    assert script.weights_sha256(str(drafter)) != sha
+    unrecorded = {name: value for name, value in measured.items() if name != "weights_sha256"}
+    report.write_text(json.dumps({"conditions": conditions, "results": [unrecorded]}))
+    assert script.reusable_results([str(report)], conditions) == {}
 
 
 def test_peft_acceptance_writes_a_pairs_acceptance_for_its_card():

@@ -18,7 +18,6 @@ last, so each drafter's entry records the sha256 of its weights), so a second ca
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -38,6 +37,7 @@ from peft_acceptance import (  # noqa: E402
     differing_conditions,
     tau_difference,
     taus,
+    weights_sha256,
 )
 
 from hf_dflash.atomic_files import write_text_atomic  # noqa: E402
@@ -64,21 +64,6 @@ def verdict(set_gains: dict[str, dict]) -> dict[str, bool]:
             gain["interval_90"] is not None and gain["interval_90"][0] > 0 for gain in set_gains.values()
         ),
     }
-
-
-def weights_sha256(drafter: str) -> str | None:
-    """sha256 over the `*.safetensors` files at the top of a local drafter folder (names and bytes, in name order);
-    None for a Hub id."""
-    folder = Path(drafter)
-    if not folder.is_dir():
-        return None
-    digest = hashlib.sha256()
-    for file in sorted(folder.glob("*.safetensors")):
-        digest.update(file.name.encode())
-        with file.open("rb") as weights:
-            for chunk in iter(lambda: weights.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def reused_current(path: str | None, drafter: str, conditions: dict) -> dict | None:

@@ -13,8 +13,8 @@ and prints one JSON document last: tau per pair and prompt set, with the conditi
 A pair is `TARGET:NAME:DRAFTER`, TARGET `base` or `tuned` (the target with `--target_adapter` merged), DRAFTER a
 drafter folder or a drafter adapter folder (`hf_dflash.loading.load_draft` reads both). `--datasets humaneval:40`
 takes a set's first 40 prompts instead of `--limit`; `--reuse REPORT ...` reads the pairs earlier reports measured
-under the same conditions instead of running them again (greedy whole-block tau is deterministic; pairs on the
-base target also from a report on another `--target_adapter`).
+under the same conditions on the same weights (sha256 of the folder's safetensors) instead of running them again
+(greedy whole-block tau is deterministic; pairs on the base target also from a report on another `--target_adapter`).
 `--card_acceptance lora=runs/card.json` also writes the `lora` pair's tau per set for
 `hf-dflash card DIR --acceptance_json runs/card.json` (the drafter's card).
 
@@ -29,6 +29,7 @@ not resolve a loss and no share of it means anything.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -199,10 +200,26 @@ def card_acceptance(results: list[dict], name: str, conditions: dict, report: st
     return {"acceptance": acceptance}
 
 
-def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str, str], dict]:
-    """Results of earlier reports, keyed by (target, drafter name, drafter path), when they were measured under the
-    same conditions: greedy whole-block tau is deterministic, so the reference pairs need not run again. Pairs on the
-    base target are read from a report of another fine-tune too (the adapter plays no part in them)."""
+def weights_sha256(drafter: str) -> str | None:
+    """sha256 over the `*.safetensors` files at the top of a local drafter folder (names and bytes, in name order);
+    None for a Hub id. A folder's path outlives the weights committed there, so reuse is keyed by this."""
+    folder = Path(drafter)
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(folder.glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with file.open("rb") as weights:
+            for chunk in iter(lambda: weights.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str, str, str], dict]:
+    """Results of earlier reports, keyed by (target, drafter name, drafter path, sha256 of its weights), when they
+    were measured under the same conditions: greedy whole-block tau is deterministic, so the reference pairs need not
+    run again. Pairs on the base target are read from a report of another fine-tune too (the adapter plays no part in
+    them). A result that recorded no weights (a Hub drafter, or a report older than the record) is never reused."""
     results = {}
     for path in paths:
         report = json.loads(Path(path).read_text())
@@ -211,7 +228,10 @@ def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str,
         same_adapter = report["conditions"].get("target_adapter") == conditions["target_adapter"]
         for result in report["results"]:
             if "acceptance" in result and (same_adapter or result["target"] == "base"):
-                key = (result["target"], result["drafter"], result["path"])
+                if result.get("weights_sha256") is None:
+                    print(f"--reuse {path}: {result['target']}:{result['drafter']} recorded no weights; rerun")
+                    continue
+                key = (result["target"], result["drafter"], result["path"], result["weights_sha256"])
                 results[key] = {name: value for name, value in result.items() if name != "share_of_loss_recovered"}
                 results[key]["reused_from"] = result.get("reused_from", path)
     return results
@@ -258,8 +278,8 @@ def main() -> None:
     targets = {}
     results = []
     for which, name, drafter in pairs:
-        if (which, name, drafter) in reused:
-            results.append(reused[which, name, drafter])
+        if (key := (which, name, drafter, weights_sha256(drafter))) in reused:
+            results.append(reused[key])
             continue
         if which not in targets:
             adapter = {"target_adapter": args.target_adapter, "merge_target_adapter": True} if which == "tuned" else {}
@@ -270,7 +290,14 @@ def main() -> None:
             target, tokenizer, load_draft(drafter, target), prompts, args.max_new_tokens
         )
         results.append(
-            {"target": which, "drafter": name, "path": drafter, "tau": taus(acceptance), "acceptance": acceptance}
+            {
+                "target": which,
+                "drafter": name,
+                "path": drafter,
+                "weights_sha256": weights_sha256(drafter),
+                "tau": taus(acceptance),
+                "acceptance": acceptance,
+            }
         )
         print(f"{which} target, {name} drafter: {taus(acceptance)} ({time.perf_counter() - start:.0f} s)", flush=True)
     add_shares(results)
