@@ -307,6 +307,21 @@ def test_only_the_named_points_are_measured_at_their_checkpoints_and_only_once()
     assert scaling.steps_to_measure(one, [400, 800], ["10x"], 1600, done) == []  # so it is not trained again
 
 
+def test_a_baseline_drafter_is_measured_once_per_weights_and_a_row_of_other_weights_is_refused(tmp_path):
+    scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
+    folder = tmp_path / "committed"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights measured")
+    report = {"results": [{"point": "1x", "step": 1600}]}
+    assert not scaling.baseline_measured(report, "committed", str(folder))
+    row = {"point": "committed", "step": None, "weights_sha256": scaling.weights_sha256(str(folder))}
+    report["results"].append(row)
+    assert scaling.baseline_measured(report, "committed", str(folder))
+    (folder / "model.safetensors").write_bytes(b"weights committed since")
+    with pytest.raises(SystemExit, match="other weights than .*; give it another NAME"):
+        scaling.baseline_measured(report, "committed", str(folder))
+
+
 def test_a_scaling_report_measured_otherwise_is_refused_not_mixed(tmp_path):
     scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
     conditions = {"prompts": {"gsm8k": 50}, "max_new_tokens": 128, "verify": "whole", "recipe": "r"}

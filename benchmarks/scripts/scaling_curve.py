@@ -14,7 +14,7 @@ training continues from its latest checkpoint (`--resume_from_checkpoint`), and 
 sequence on disk in fp16 (`--target_features_storage disk`), shared by all points (a 3x subset holds the 1x one).
 The report (JSON, rewritten after every measurement) and its plot go where `--output` says; the last thing printed is
 its table (markdown). `--baseline NAME=FOLDER` also measures an existing drafter once (the committed one), as a row
-of the table.
+of the table, with the sha256 of its weights (a later run with other weights in FOLDER is refused: name them anew).
 
     python benchmarks/scripts/scaling_curve.py --records ../data/records.jsonl --held_out ../data/held_out.jsonl \
         --work ../data/scaling --points 1x:1906:8 3x:5718:8 10x:19060:8 --max_steps 1600 --eval_steps 400 800 \
@@ -40,7 +40,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peft_acceptance import WHOLE_BLOCK_GREEDY, acceptance_by_dataset, taus  # noqa: E402
+from peft_acceptance import WHOLE_BLOCK_GREEDY, acceptance_by_dataset, taus, weights_sha256  # noqa: E402
 
 from hf_dflash import DFlashConfig  # noqa: E402
 from hf_dflash.atomic_files import atomic_path  # noqa: E402
@@ -135,6 +135,17 @@ def load_report(path: Path, conditions: dict) -> dict:
     if differing:
         raise SystemExit(f"{path} was measured with another {', '.join(differing)}; write to another --output.")
     return report
+
+
+def baseline_measured(report: dict, name: str, folder: str) -> bool:
+    """Whether the baseline row `name` holds this folder's weights already (False: none yet, measure it). A row of
+    other weights, or of none recorded, is refused: a committed folder's path outlives the weights it held."""
+    rows = [r for r in report["results"] if r["point"] == name and r["step"] is None]
+    if not rows:
+        return False
+    if rows[0].get("weights_sha256") != weights_sha256(folder):
+        raise SystemExit(f"baseline {name!r} was measured on other weights than {folder}'s; give it another NAME.")
+    return True
 
 
 def save(report: dict, path: Path) -> None:
@@ -249,12 +260,11 @@ def main() -> None:
     done = {(r["point"], r["step"]) for r in report["results"]}
     target, tokenizer = load_target_and_tokenizer("smollm2-135m-instruct", device="cpu")
     for name, folder in (spec.split("=", 1) for spec in args.baseline):
-        if (name, None) not in done:
+        if not baseline_measured(report, name, folder):
             result = measure(target, tokenizer, Path(folder), prompts, args.max_new_tokens)
             block_size = DFlashConfig.from_pretrained(folder).block_size
-            report["results"].append(
-                {"point": name, "records": None, "block_size": block_size, "step": None, "drafter": folder, **result}
-            )
+            row = {"point": name, "records": None, "block_size": block_size, "step": None, "drafter": folder}
+            report["results"].append(row | {"weights_sha256": weights_sha256(folder), **result})
             save(report, args.output)
     draw_from = max(point.records for point in points)
     for point in points:
