@@ -229,7 +229,9 @@ def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str,
         for result in report["results"]:
             if "acceptance" in result and (same_adapter or result["target"] == "base"):
                 if result.get("weights_sha256") is None:
-                    print(f"--reuse {path}: {result['target']}:{result['drafter']} recorded no weights; rerun")
+                    print(
+                        f"--reuse {path}: {result['target']}:{result['drafter']} recorded no weights, so it is not reused"
+                    )
                     continue
                 key = (result["target"], result["drafter"], result["path"], result["weights_sha256"])
                 results[key] = {name: value for name, value in result.items() if name != "share_of_loss_recovered"}
