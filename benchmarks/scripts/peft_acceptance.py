@@ -280,7 +280,8 @@ def main() -> None:
     targets = {}
     results = []
     for which, name, drafter in pairs:
-        if (key := (which, name, drafter, weights_sha256(drafter))) in reused:
+        sha = weights_sha256(drafter)
+        if (key := (which, name, drafter, sha)) in reused:
             results.append(reused[key])
             continue
         if which not in targets:
@@ -296,7 +297,7 @@ def main() -> None:
                 "target": which,
                 "drafter": name,
                 "path": drafter,
-                "weights_sha256": weights_sha256(drafter),
+                "weights_sha256": sha,
                 "tau": taus(acceptance),
                 "acceptance": acceptance,
             }
