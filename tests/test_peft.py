@@ -212,6 +212,22 @@ def test_the_saved_adapter_drafts_losslessly_and_merges_into_a_servable_drafter(
     assert torch.equal(via_loader.d2t, merged.d2t)
 
 
+def test_a_drafters_fingerprint_names_its_weights_not_its_dtype_or_folder(base_drafter, tmp_path):
+    """What adapters and the benchmarks' `--reuse` key on: one checkpoint gives one fingerprint in float32 and in
+    bfloat16 and from any folder, and a change to any weight gives another."""
+    import shutil
+
+    from hf_dflash.adapters import draft_fingerprint
+
+    fingerprint = draft_fingerprint(DFlashForDrafting.from_pretrained(base_drafter))
+    shutil.copytree(base_drafter, tmp_path / "copy")
+    assert draft_fingerprint(DFlashForDrafting.from_pretrained(tmp_path / "copy", dtype=torch.bfloat16)) == fingerprint
+    changed = DFlashForDrafting.from_pretrained(base_drafter)
+    with torch.no_grad():
+        changed.layers[-1].mlp.down_proj.weight[0, 0] += 0.5
+    assert draft_fingerprint(changed) != fingerprint
+
+
 def test_adapter_mistakes_name_the_fix(base_drafter, tmp_path):
     from hf_dflash.adapters import add_draft_adapter, load_draft_adapter
 
@@ -316,22 +332,20 @@ def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions_an
 
     script = _peft_acceptance_script()
     conditions = {"target": "t", "target_adapter": "a", "prompts": {"gsm8k": 2}, "max_new_tokens": 8, "verify": "v"}
-    drafter = tmp_path / "d"
-    drafter.mkdir()
-    (drafter / "model.safetensors").write_bytes(b"weights measured")
-    sha = script.weights_sha256(str(drafter))
     measured = {
         "target": "base",
         "drafter": "base",
-        "path": str(drafter),
-        "weights_sha256": sha,
+        "path": "drafters/d",
+        "draft_fingerprint": "f" * 64,
         "tau": {},
         "acceptance": {},
     }
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"conditions": conditions | {"machine": "other"}, "results": [measured]}))
 
-    key = ("base", "base", str(drafter), sha)
+    # Keyed by the weights measured, not by where they lay: a pair whose drafter now loads with other weights (the
+    # same path, another commit) looks itself up under another key and runs again.
+    key = ("base", "base", "f" * 64)
     assert script.reusable_results([str(report)], conditions) == {key: measured | {"reused_from": str(report)}}
     with pytest.raises(SystemExit, match="other prompts, max_new_tokens; rerun"):
         script.reusable_results([str(report)], conditions | {"prompts": {"gsm8k": 3}, "max_new_tokens": 9})
@@ -344,12 +358,9 @@ def test_peft_acceptance_reuses_only_pairs_measured_under_the_same_conditions_an
     }
     assert len(script.reusable_results([str(report)], conditions)) == 2
 
-    # The same path with other weights committed since looks the pair up under another key; a result that recorded
-    # no weights is never reused.
-    (drafter / "model.safetensors").write_bytes(b"weights committed since")
-    assert script.weights_sha256(str(drafter)) != sha
-    unrecorded = {name: value for name, value in measured.items() if name != "weights_sha256"}
-    report.write_text(json.dumps({"conditions": conditions, "results": [unrecorded]}))
+    # A result that recorded no fingerprint (an older report's file hash, or nothing) is never reused.
+    unrecorded = {name: value for name, value in measured.items() if name != "draft_fingerprint"}
+    report.write_text(json.dumps({"conditions": conditions, "results": [unrecorded | {"weights_sha256": "f" * 64}]}))
     assert script.reusable_results([str(report)], conditions) == {}
 
 

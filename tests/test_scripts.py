@@ -206,26 +206,22 @@ def test_compare_drafters_reuses_the_current_drafter_only_under_the_same_conditi
     compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "compare_drafters.py")
     conditions = {"target": "t", "prompts": {"gsm8k": 2}, "max_new_tokens": 8, "verify": "v"}
     acceptance = {"gsm8k": {"tau": 2.0, "committed": [4, 4], "rounds": [2, 2]}}
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    (drafter / "model.safetensors").write_bytes(b"weights measured")
+    measured = "a" * 64  # the draft_fingerprint of the weights measured
     report = tmp_path / "report.json"
     report.write_text(
-        json.dumps({"conditions": conditions, "current": compare.drafter_entry(str(drafter), acceptance)})
+        json.dumps({"conditions": conditions, "current": compare.drafter_entry("drafters/d", measured, acceptance)})
     )
 
-    assert compare.reused_current(None, str(drafter), conditions) is None
-    assert compare.reused_current(str(report), str(drafter), conditions) == acceptance
-    with pytest.raises(SystemExit, match="another max_new_tokens, current drafter; drop --reuse"):
-        compare.reused_current(str(report), "other", conditions | {"max_new_tokens": 9})
-    (drafter / "model.safetensors").write_bytes(b"weights committed since")  # the same path, other weights
-    with pytest.raises(SystemExit, match="another current drafter's weights"):
-        compare.reused_current(str(report), str(drafter), conditions)
-    (drafter / "model.safetensors").write_bytes(b"weights measured")
-    unrecorded = {"conditions": conditions, "current": {"path": str(drafter), "acceptance": acceptance}}
+    assert compare.reused_current(None, measured, conditions) is None
+    assert compare.reused_current(str(report), measured, conditions) == acceptance
+    with pytest.raises(SystemExit, match="another max_new_tokens; drop --reuse"):
+        compare.reused_current(str(report), measured, conditions | {"max_new_tokens": 9})
+    with pytest.raises(SystemExit, match="another current drafter's weights"):  # e.g. the same path, other weights
+        compare.reused_current(str(report), "b" * 64, conditions)
+    unrecorded = {"conditions": conditions, "current": {"path": "drafters/d", "acceptance": acceptance}}
     report.write_text(json.dumps(unrecorded))  # a report written before weights were recorded
     with pytest.raises(SystemExit, match="or none recorded"):
-        compare.reused_current(str(report), str(drafter), conditions)
+        compare.reused_current(str(report), measured, conditions)
 
 
 def test_package_functions_come_from_the_named_package_and_skip_what_is_taken():
@@ -307,19 +303,18 @@ def test_only_the_named_points_are_measured_at_their_checkpoints_and_only_once()
     assert scaling.steps_to_measure(one, [400, 800], ["10x"], 1600, done) == []  # so it is not trained again
 
 
-def test_a_baseline_drafter_is_measured_once_per_weights_and_a_row_of_other_weights_is_refused(tmp_path):
+def test_a_baseline_drafter_is_measured_once_per_weights_and_a_row_of_other_weights_is_refused():
     scaling = load_module(SCRIPTS.parent / "benchmarks" / "scripts" / "scaling_curve.py")
-    folder = tmp_path / "committed"
-    folder.mkdir()
-    (folder / "model.safetensors").write_bytes(b"weights measured")
+    measured = "a" * 64  # the draft_fingerprint of the weights measured
     report = {"results": [{"point": "1x", "step": 1600}]}
-    assert not scaling.baseline_measured(report, "committed", str(folder))
-    row = {"point": "committed", "step": None, "weights_sha256": scaling.weights_sha256(str(folder))}
-    report["results"].append(row)
-    assert scaling.baseline_measured(report, "committed", str(folder))
-    (folder / "model.safetensors").write_bytes(b"weights committed since")
-    with pytest.raises(SystemExit, match="other weights than .*; give it another NAME"):
-        scaling.baseline_measured(report, "committed", str(folder))
+    assert not scaling.baseline_measured(report, "committed", "drafters/d", measured)
+    report["results"].append({"point": "committed", "step": None, "draft_fingerprint": measured})
+    assert scaling.baseline_measured(report, "committed", "drafters/d", measured)
+    with pytest.raises(SystemExit, match="other weights than drafters/d's; give it another NAME"):
+        scaling.baseline_measured(report, "committed", "drafters/d", "b" * 64)
+    report["results"][-1].pop("draft_fingerprint")  # a row written before fingerprints were recorded
+    with pytest.raises(SystemExit, match="other weights"):
+        scaling.baseline_measured(report, "committed", "drafters/d", measured)
 
 
 def test_a_scaling_report_measured_otherwise_is_refused_not_mixed(tmp_path):

@@ -12,7 +12,8 @@ with a 90% interval from a paired bootstrap over the prompts, and whether it gai
 `better_on_every_set` compares the measured taus; `resolved_on_every_set` asks more, a gain whose whole interval lies
 above zero on every set. `--reuse REPORT` reads the current drafter's runs from an earlier report measured the same
 way (greedy whole-block tau is deterministic) on the same weights (a folder's path names whatever was committed there
-last, so each drafter's entry records the sha256 of its weights), so a second candidate costs one drafter's time.
+last, so each drafter's entry records `hf_dflash.adapters.draft_fingerprint` of the loaded drafter), so a second
+candidate costs one drafter's time.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from peft_acceptance import (  # noqa: E402
     differing_conditions,
     tau_difference,
     taus,
-    weights_sha256,
 )
 
+from hf_dflash.adapters import draft_fingerprint  # noqa: E402
 from hf_dflash.atomic_files import write_text_atomic  # noqa: E402
 from hf_dflash.data.prompts import load_prompts, split_set_limit  # noqa: E402
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
@@ -66,36 +67,32 @@ def verdict(set_gains: dict[str, dict]) -> dict[str, bool]:
     }
 
 
-def reused_current(path: str | None, drafter: str, conditions: dict) -> dict | None:
-    """The current drafter's runs from an earlier report of this script, when it measured the same weights (a local
-    folder's, by sha256) under the same conditions; None without `--reuse`."""
+def reused_current(path: str | None, fingerprint: str, conditions: dict) -> dict | None:
+    """The current drafter's runs from an earlier report of this script, when it measured the same weights (the
+    loaded drafter's `fingerprint`, `draft_fingerprint`) under the same conditions; None without `--reuse`."""
     if path is None:
         return None
     report = json.loads(Path(path).read_text())
     differing = differing_conditions(report["conditions"], conditions)
-    if report["current"]["path"] != drafter:
-        differing.append("current drafter")
-    else:
-        recorded, now = report["current"].get("weights_sha256"), weights_sha256(drafter)
-        if now is None or recorded != now:
-            differing.append("current drafter's weights (or none recorded)")
+    if report["current"].get("draft_fingerprint") != fingerprint:
+        differing.append("current drafter's weights (or none recorded)")
     if differing:
         raise SystemExit(f"--reuse {path}: measured with another {', '.join(differing)}; drop --reuse to rerun it.")
     return report["current"]["acceptance"]
 
 
-def measure(target, tokenizer, drafter: str, prompts: dict, max_new_tokens: int) -> dict:
-    """One drafter's `acceptance_by_dataset`, timed and printed."""
+def measure(target, tokenizer, name: str, draft, prompts: dict, max_new_tokens: int) -> dict:
+    """The loaded drafter `draft`'s `acceptance_by_dataset`, timed and printed under `name`."""
     start = time.perf_counter()
-    acceptance = acceptance_by_dataset(target, tokenizer, load_draft(drafter, target), prompts, max_new_tokens)
-    print(f"{drafter}: tau {taus(acceptance)} ({time.perf_counter() - start:.0f} s)", flush=True)
+    acceptance = acceptance_by_dataset(target, tokenizer, draft, prompts, max_new_tokens)
+    print(f"{name}: tau {taus(acceptance)} ({time.perf_counter() - start:.0f} s)", flush=True)
     return acceptance
 
 
-def drafter_entry(path: str, acceptance: dict) -> dict:
-    """A drafter's part of the report: where it is, the sha256 of its weights, its tau per set and its runs per
-    prompt."""
-    return {"path": path, "weights_sha256": weights_sha256(path), "tau": taus(acceptance), "acceptance": acceptance}
+def drafter_entry(path: str, fingerprint: str, acceptance: dict) -> dict:
+    """A drafter's part of the report: where it is, its weights' `draft_fingerprint`, its tau per set and its runs
+    per prompt."""
+    return {"path": path, "draft_fingerprint": fingerprint, "tau": taus(acceptance), "acceptance": acceptance}
 
 
 def main() -> None:
@@ -121,16 +118,18 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
         "command": " ".join(sys.argv),
     }
-    current = reused_current(args.reuse, args.current, conditions)  # before loading anything: a bad --reuse fails fast
     target, tokenizer = load_target_and_tokenizer(args.target, device="cpu")
+    drafts = {path: load_draft(path, target) for path in (args.current, args.candidate)}
+    fingerprints = {path: draft_fingerprint(draft) for path, draft in drafts.items()}
+    current = reused_current(args.reuse, fingerprints[args.current], conditions)
     if current is None:
-        current = measure(target, tokenizer, args.current, prompts, args.max_new_tokens)
-    candidate = measure(target, tokenizer, args.candidate, prompts, args.max_new_tokens)
+        current = measure(target, tokenizer, args.current, drafts[args.current], prompts, args.max_new_tokens)
+    candidate = measure(target, tokenizer, args.candidate, drafts[args.candidate], prompts, args.max_new_tokens)
     set_gains = gains(current, candidate)
     report = {
         "conditions": conditions,
-        "current": drafter_entry(args.current, current),
-        "candidate": drafter_entry(args.candidate, candidate),
+        "current": drafter_entry(args.current, fingerprints[args.current], current),
+        "candidate": drafter_entry(args.candidate, fingerprints[args.candidate], candidate),
         "gain": set_gains,
         **verdict(set_gains),
     }

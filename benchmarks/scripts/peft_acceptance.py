@@ -13,7 +13,8 @@ and prints one JSON document last: tau per pair and prompt set, with the conditi
 A pair is `TARGET:NAME:DRAFTER`, TARGET `base` or `tuned` (the target with `--target_adapter` merged), DRAFTER a
 drafter folder or a drafter adapter folder (`hf_dflash.loading.load_draft` reads both). `--datasets humaneval:40`
 takes a set's first 40 prompts instead of `--limit`; `--reuse REPORT ...` reads the pairs earlier reports measured
-under the same conditions on the same weights (sha256 of the folder's safetensors) instead of running them again
+under the same conditions on the same weights (`hf_dflash.adapters.draft_fingerprint` of the loaded drafter) instead
+of running them again
 (greedy whole-block tau is deterministic; pairs on the base target also from a report on another `--target_adapter`).
 `--card_acceptance lora=runs/card.json` also writes the `lora` pair's tau per set for
 `hf-dflash card DIR --acceptance_json runs/card.json` (the drafter's card).
@@ -29,7 +30,6 @@ not resolve a loss and no share of it means anything.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -42,6 +42,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from hf_dflash import speculative_generate  # noqa: E402
+from hf_dflash.adapters import draft_fingerprint  # noqa: E402
 from hf_dflash.data.chat import encode_prompt  # noqa: E402
 from hf_dflash.data.prompts import load_prompts, split_set_limit  # noqa: E402
 from hf_dflash.loading import load_draft, load_target_and_tokenizer  # noqa: E402
@@ -200,26 +201,13 @@ def card_acceptance(results: list[dict], name: str, conditions: dict, report: st
     return {"acceptance": acceptance}
 
 
-def weights_sha256(drafter: str) -> str | None:
-    """sha256 over the `*.safetensors` files at the top of a local drafter folder (names and bytes, in name order);
-    None for a Hub id. A folder's path outlives the weights committed there, so reuse is keyed by this."""
-    folder = Path(drafter)
-    if not folder.is_dir():
-        return None
-    digest = hashlib.sha256()
-    for file in sorted(folder.glob("*.safetensors")):
-        digest.update(file.name.encode())
-        with file.open("rb") as weights:
-            for chunk in iter(lambda: weights.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str, str, str], dict]:
-    """Results of earlier reports, keyed by (target, drafter name, drafter path, sha256 of its weights), when they
-    were measured under the same conditions: greedy whole-block tau is deterministic, so the reference pairs need not
-    run again. Pairs on the base target are read from a report of another fine-tune too (the adapter plays no part in
-    them). A result that recorded no weights (a Hub drafter, or a report older than the record) is never reused."""
+def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str, str], dict]:
+    """Results of earlier reports, keyed by (target, drafter name, the drafter's `draft_fingerprint`), when they were
+    measured under the same conditions: greedy whole-block tau is deterministic, so the reference pairs need not run
+    again. The fingerprint, not the path, names the weights measured (a folder's path outlives what was committed
+    there; a Hub id's revision moves). Pairs on the base target are read from a report of another fine-tune too (the
+    adapter plays no part in them). A result that recorded no fingerprint (a report older than the record) is never
+    reused."""
     results = {}
     for path in paths:
         report = json.loads(Path(path).read_text())
@@ -228,12 +216,13 @@ def reusable_results(paths: list[str], conditions: dict) -> dict[tuple[str, str,
         same_adapter = report["conditions"].get("target_adapter") == conditions["target_adapter"]
         for result in report["results"]:
             if "acceptance" in result and (same_adapter or result["target"] == "base"):
-                if result.get("weights_sha256") is None:
+                if result.get("draft_fingerprint") is None:
                     print(
-                        f"--reuse {path}: {result['target']}:{result['drafter']} recorded no weights, so it is not reused"
+                        f"--reuse {path}: {result['target']}:{result['drafter']} recorded no drafter fingerprint, so "
+                        "it is not reused"
                     )
                     continue
-                key = (result["target"], result["drafter"], result["path"], result["weights_sha256"])
+                key = (result["target"], result["drafter"], result["draft_fingerprint"])
                 results[key] = {name: value for name, value in result.items() if name != "share_of_loss_recovered"}
                 results[key]["reused_from"] = result.get("reused_from", path)
     return results
@@ -280,24 +269,23 @@ def main() -> None:
     targets = {}
     results = []
     for which, name, drafter in pairs:
-        sha = weights_sha256(drafter)
-        if (key := (which, name, drafter, sha)) in reused:
-            results.append(reused[key])
-            continue
         if which not in targets:
             adapter = {"target_adapter": args.target_adapter, "merge_target_adapter": True} if which == "tuned" else {}
             targets[which] = load_target_and_tokenizer(args.target, device="cpu", **adapter)
         target, tokenizer = targets[which]
+        draft = load_draft(drafter, target)
+        fingerprint = draft_fingerprint(draft)
+        if (key := (which, name, fingerprint)) in reused:
+            results.append(reused[key])
+            continue
         start = time.perf_counter()
-        acceptance = acceptance_by_dataset(
-            target, tokenizer, load_draft(drafter, target), prompts, args.max_new_tokens
-        )
+        acceptance = acceptance_by_dataset(target, tokenizer, draft, prompts, args.max_new_tokens)
         results.append(
             {
                 "target": which,
                 "drafter": name,
                 "path": drafter,
-                "weights_sha256": sha,
+                "draft_fingerprint": fingerprint,
                 "tau": taus(acceptance),
                 "acceptance": acceptance,
             }

@@ -14,7 +14,8 @@ training continues from its latest checkpoint (`--resume_from_checkpoint`), and 
 sequence on disk in fp16 (`--target_features_storage disk`), shared by all points (a 3x subset holds the 1x one).
 The report (JSON, rewritten after every measurement) and its plot go where `--output` says; the last thing printed is
 its table (markdown). `--baseline NAME=FOLDER` also measures an existing drafter once (the committed one), as a row
-of the table, with the sha256 of its weights (a later run with other weights in FOLDER is refused: name them anew).
+of the table, with its weights' `hf_dflash.adapters.draft_fingerprint` (a later run with other weights in FOLDER is
+refused: name them anew).
 
     python benchmarks/scripts/scaling_curve.py --records ../data/records.jsonl --held_out ../data/held_out.jsonl \
         --work ../data/scaling --points 1x:1906:8 3x:5718:8 10x:19060:8 --max_steps 1600 --eval_steps 400 800 \
@@ -40,9 +41,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peft_acceptance import WHOLE_BLOCK_GREEDY, acceptance_by_dataset, taus, weights_sha256  # noqa: E402
+from peft_acceptance import WHOLE_BLOCK_GREEDY, acceptance_by_dataset, taus  # noqa: E402
 
-from hf_dflash import DFlashConfig  # noqa: E402
+from hf_dflash.adapters import draft_fingerprint  # noqa: E402
 from hf_dflash.atomic_files import atomic_path  # noqa: E402
 from hf_dflash.data.prompts import load_prompts, split_set_limit  # noqa: E402
 from hf_dflash.data.sources import prompts_from_jsonl  # noqa: E402
@@ -115,10 +116,10 @@ def steps_to_measure(
     return [step for step in steps if (point.name, step) not in done]
 
 
-def measure(target, tokenizer, drafter: Path, prompts: dict, max_new_tokens: int) -> dict:
-    """Whole-block tau per prompt set, with the per-prompt runs and the wall time."""
+def measure(target, tokenizer, draft, prompts: dict, max_new_tokens: int) -> dict:
+    """The loaded drafter `draft`'s whole-block tau per prompt set, with the per-prompt runs and the wall time."""
     start = time.perf_counter()
-    acceptance = acceptance_by_dataset(target, tokenizer, load_draft(str(drafter), target), prompts, max_new_tokens)
+    acceptance = acceptance_by_dataset(target, tokenizer, draft, prompts, max_new_tokens)
     return {"tau": taus(acceptance), "acceptance": acceptance, "wall_s": round(time.perf_counter() - start)}
 
 
@@ -137,13 +138,14 @@ def load_report(path: Path, conditions: dict) -> dict:
     return report
 
 
-def baseline_measured(report: dict, name: str, folder: str) -> bool:
-    """Whether the baseline row `name` holds this folder's weights already (False: none yet, measure it). A row of
-    other weights, or of none recorded, is refused: a committed folder's path outlives the weights it held."""
+def baseline_measured(report: dict, name: str, folder: str, fingerprint: str) -> bool:
+    """Whether the baseline row `name` holds the weights of `fingerprint` (`draft_fingerprint` of the drafter loaded
+    from `folder`) already (False: none yet, measure it). A row of other weights, or of none recorded, is refused: a
+    committed folder's path outlives the weights it held."""
     rows = [r for r in report["results"] if r["point"] == name and r["step"] is None]
     if not rows:
         return False
-    if rows[0].get("weights_sha256") != weights_sha256(folder):
+    if rows[0].get("draft_fingerprint") != fingerprint:
         raise SystemExit(f"baseline {name!r} was measured on other weights than {folder}'s; give it another NAME.")
     return True
 
@@ -260,11 +262,12 @@ def main() -> None:
     done = {(r["point"], r["step"]) for r in report["results"]}
     target, tokenizer = load_target_and_tokenizer("smollm2-135m-instruct", device="cpu")
     for name, folder in (spec.split("=", 1) for spec in args.baseline):
-        if not baseline_measured(report, name, folder):
-            result = measure(target, tokenizer, Path(folder), prompts, args.max_new_tokens)
-            block_size = DFlashConfig.from_pretrained(folder).block_size
-            row = {"point": name, "records": None, "block_size": block_size, "step": None, "drafter": folder}
-            report["results"].append(row | {"weights_sha256": weights_sha256(folder), **result})
+        draft = load_draft(folder, target)
+        fingerprint = draft_fingerprint(draft)
+        if not baseline_measured(report, name, folder, fingerprint):
+            result = measure(target, tokenizer, draft, prompts, args.max_new_tokens)
+            row = {"point": name, "records": None, "block_size": draft.config.block_size, "step": None}
+            report["results"].append(row | {"drafter": folder, "draft_fingerprint": fingerprint, **result})
             save(report, args.output)
     draw_from = max(point.records for point in points)
     for point in points:
@@ -275,7 +278,7 @@ def main() -> None:
         drafter = train(point, data, args.work, args.max_steps, args.save_steps)
         for step in steps:
             folder = drafter if step == args.max_steps else drafter / f"checkpoint-{step}"
-            result = measure(target, tokenizer, folder, prompts, args.max_new_tokens)
+            result = measure(target, tokenizer, load_draft(str(folder), target), prompts, args.max_new_tokens)
             report["results"].append(
                 {"point": point.name, "records": point.records, "block_size": point.block_size, "step": step, **result}
             )
