@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from hf_dflash import DFlashForDrafting, DFlashLayouts
 from hf_dflash.atomic_files import created_mode
+from hf_dflash.bench.config import BASELINE
 from hf_dflash.bench.report import BenchmarkReport
 from hf_dflash.loading import load_target_and_tokenizer
 from hf_dflash.model.modeling_dflash import input_embedding_scale
@@ -105,13 +106,16 @@ def load_export_target(name_or_folder: str, dtype: torch.dtype) -> PreTrainedMod
 
 def acceptance_from_report(path: Path) -> dict:
     """`{dataset: {tau, speedup, conditions}}` from an `hf-dflash bench` JSON report: `ours`'s tau and its median of
-    per-prompt speedups per prompt set."""
+    per-prompt speedups per prompt set, against the set's baseline (the faster plain variant), which the conditions
+    name with the CPU kernels the run prepared."""
     report = BenchmarkReport.read(path)
     conditions = report.conditions
     described = (
         f"hf-dflash bench, greedy, batch 1, {conditions.max_new_tokens} new tokens, {conditions.cpu}, "
         f"{conditions.torch_threads} threads, {conditions.target_dtype}"
     )
+    if conditions.cpu_kernels is not None:
+        described += f", CPU kernels: {conditions.cpu_kernels}"
     if conditions.verify_costs_relative is not None:
         described += ", speculative_generate(verify_costs='auto')"
     acceptance = {}
@@ -125,7 +129,8 @@ def acceptance_from_report(path: Path) -> dict:
         acceptance[dataset] = {
             "tau": round(float("nan") if tau is None else tau, 2),
             "speedup": round(float("nan") if speedup is None else speedup, 2),
-            "conditions": f"{summary.methods['plain'].prompts} prompts; {described}",
+            "conditions": f"{summary.methods['plain'].prompts} prompts; {described}; speed-up against "
+            f"{summary.baseline or BASELINE}",
         }
     return acceptance
 

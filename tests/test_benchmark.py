@@ -190,6 +190,9 @@ def test_export_drafter_reads_ours_statistics_from_a_committed_report():
     ours = report.datasets["gsm8k"].methods["ours"]
     assert acceptance["gsm8k"]["tau"] == round(ours.speculative.tau, 2)
     assert acceptance["gsm8k"]["speedup"] == round(ours.speedup_median_of_ratios, 2)
+    assert acceptance["gsm8k"]["conditions"].endswith("speed-up against plain")  # a report from before other plains
+    main = export_drafter.acceptance_from_report(RESULTS / "bench_smollm2_xeon_main.json")["gsm8k"]["conditions"]
+    assert "CPU kernels: 211 linears prepared (exact)" in main and main.endswith("speed-up against plain_stock")
     older = export_drafter.acceptance_from_report(RESULTS / "bench_smollm2_shaped_first.json")
     assert older["gsm8k"]["tau"] == round(
         json.loads((RESULTS / "bench_smollm2_shaped_first.json").read_text())["datasets"]["gsm8k"]["tau"], 2
