@@ -337,7 +337,8 @@ def test_the_scaling_plot_draws_each_set_against_records_per_block_size_and_agai
                 "tau": {name: tau + i / 10 for i, name in enumerate(sets)}}  # fmt: skip
 
     results = [
-        row("committed", None, 8, None, 1.6),
+        row("previous", None, 8, None, 1.6),
+        row("final", None, 8, None, 2.4),
         row("1x", 1906, 8, 1600, 1.7),
         row("3x", 5718, 8, 1600, 1.8),
         row("10x", 19060, 8, 400, 1.75),
@@ -355,7 +356,8 @@ def test_the_scaling_plot_draws_each_set_against_records_per_block_size_and_agai
         for line in by_data.lines
         if line not in across
     )
-    assert sorted(round(line.get_ydata()[0], 6) for line in across) == [1.6, 1.7]  # the committed drafter
+    assert sorted(round(line.get_ydata()[0], 6) for line in across) == [1.6, 1.7, 2.4, 2.5]  # the two drafters
+    assert len({line.get_linestyle() for line in across}) == 2  # told apart by their line styles
     # block 8 from the final steps only (not the 10x point's 400 and 800), block 16 apart
     assert curves == [
         ([1906, 5718, 19060], [1.7, 1.8, 1.9]),

@@ -158,7 +158,7 @@ def save(report: dict, path: Path) -> None:
 
 def plot(report: dict, path: Path):
     """Tau per prompt set (one colour each) against records (final drafters; a line style per block size, the
-    baseline drafters dotted across) and against steps (per point), saved to `path`; returns the (closed) figure."""
+    baseline drafters across, a line style each) and against steps (per point), saved to `path`; returns the (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +168,6 @@ def plot(report: dict, path: Path):
     results, sets = report["results"], list(report["conditions"]["prompts"])
     final = report["conditions"]["max_steps"]
     colour = {name: f"C{index}" for index, name in enumerate(sets)}
-    baseline_style = {"linestyle": (0, (1, 3)), "linewidth": 1}
     fig, (by_data, by_steps) = plt.subplots(1, 2, figsize=(11, 4))
     block_sizes = sorted({r["block_size"] for r in results if r["records"] is not None})
     styles = dict(zip(block_sizes, ["o-", "s--", "^:"]))
@@ -179,8 +178,9 @@ def plot(report: dict, path: Path):
         if points:
             by_data.plot(*zip(*points), style, color=colour[name])
     baselines = [r for r in results if r["records"] is None]
+    dashes = dict(zip((r["point"] for r in baselines), itertools.cycle([":", "--", "-."])))
     for baseline, name in itertools.product(baselines, sets):
-        by_data.axhline(baseline["tau"][name], color=colour[name], **baseline_style)
+        by_data.axhline(baseline["tau"][name], color=colour[name], linestyle=dashes[baseline["point"]], linewidth=1)
     for point, name in itertools.product(sorted({r["point"] for r in results}), sets):
         points = sorted((r["step"], r["tau"][name]) for r in results if r["point"] == point)
         if len(points) > 1:
@@ -190,7 +190,10 @@ def plot(report: dict, path: Path):
         Line2D([], [], color="k", linestyle=style[1:], marker=style[0], label=f"block {block_size}")
         for block_size, style in styles.items()
     ]
-    keys += [Line2D([], [], color="k", label=f"{r['point']} drafter", **baseline_style) for r in baselines]
+    keys += [
+        Line2D([], [], color="k", linestyle=dashes[r["point"]], linewidth=1, label=f"{r['point']} drafter")
+        for r in baselines
+    ]
     by_data.legend(handles=keys, fontsize=7)
     by_data.set(xscale="log", xlabel="training records", ylabel="whole-block tau (greedy)", title="tau against data")
     by_steps.set(xlabel="optimizer steps", ylabel="whole-block tau (greedy)", title="tau against steps")
