@@ -158,7 +158,8 @@ def save(report: dict, path: Path) -> None:
 
 def plot(report: dict, path: Path):
     """Tau per prompt set (one colour each) against records (final drafters; a line style per block size, the
-    baseline drafters across, a line style each) and against steps (per point), saved to `path`; returns the (closed) figure."""
+    baseline drafters as lines across, a style each) and against steps (per point), saved to `path`; returns the
+    (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,9 +179,11 @@ def plot(report: dict, path: Path):
         if points:
             by_data.plot(*zip(*points), style, color=colour[name])
     baselines = [r for r in results if r["records"] is None]
-    dashes = dict(zip((r["point"] for r in baselines), itertools.cycle([":", "--", "-."])))
+    baseline_styles = dict(zip((r["point"] for r in baselines), itertools.cycle([":", "--", "-."])))
     for baseline, name in itertools.product(baselines, sets):
-        by_data.axhline(baseline["tau"][name], color=colour[name], linestyle=dashes[baseline["point"]], linewidth=1)
+        by_data.axhline(
+            baseline["tau"][name], color=colour[name], linestyle=baseline_styles[baseline["point"]], linewidth=1
+        )
     for point, name in itertools.product(sorted({r["point"] for r in results}), sets):
         points = sorted((r["step"], r["tau"][name]) for r in results if r["point"] == point)
         if len(points) > 1:
@@ -191,7 +194,7 @@ def plot(report: dict, path: Path):
         for block_size, style in styles.items()
     ]
     keys += [
-        Line2D([], [], color="k", linestyle=dashes[r["point"]], linewidth=1, label=f"{r['point']} drafter")
+        Line2D([], [], color="k", linestyle=baseline_styles[r["point"]], linewidth=1, label=f"{r['point']} drafter")
         for r in baselines
     ]
     by_data.legend(handles=keys, fontsize=7)
