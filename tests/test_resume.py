@@ -134,6 +134,11 @@ def assert_same_training(resumed: Path, uninterrupted: Path) -> None:
     assert infos[0]["epochs"] == infos[1]["epochs"]
     assert infos[1]["held_out_tau_by_step"] == infos[0]["held_out_tau_by_step"]  # the taus before the kill too
     assert len(infos[0]["held_out_tau_by_step"]) == MAX_STEPS // 5
+    # The resumed run's times count its own steps only, and its card says from where.
+    assert "resumed_from_step" not in infos[0]
+    assert KILL_AFTER_STEP <= infos[1]["resumed_from_step"] < MAX_STEPS
+    card = (resumed / "README.md").read_text()
+    assert f"| Resumed from step (wall and CPU time count from there) | {infos[1]['resumed_from_step']} |" in card
 
 
 def test_sigkilled_training_resumed_from_its_latest_checkpoint_ends_with_the_same_drafter(

@@ -50,6 +50,7 @@ TRAINING_LABELS = {
     "learning_rate": "Learning rate",
     "wall_time": "Wall time",
     "wall_time_s": "Wall time",
+    "resumed_from_step": "Resumed from step (wall and CPU time count from there)",
     "machine": "Machine",
     "held_out_tau_by_step": "Held-out tau during training",
     "trainable_parameters": "Trainable parameters (the adapter)",
@@ -65,7 +66,8 @@ class DrafterCardInfo:
 
     `training` keys (all optional): `data` (list of sources), `num_sequences`, `chat_template` (bool),
     `max_length`, `anchors_per_sequence`, `gamma` (loss decay), `steps`, `epochs`, `batch_size`, `learning_rate`,
-    `wall_time` (text) or `wall_time_s` (seconds), `machine`, `held_out_tau_by_step` (`[[step, tau], ...]`, what
+    `wall_time` (text) or `wall_time_s` (seconds), `resumed_from_step` (the run that wrote the times took over
+    there), `machine`, `held_out_tau_by_step` (`[[step, tau], ...]`, what
     the trainer measured on held-out prompts while training); other keys are listed under their own name.
     `acceptance` maps a dataset name to `{"tau": float, "speedup": float | None, "conditions": str}`.
     `engines` maps a serving engine to what running this drafter in it measured: `{"mean_accepted_length",

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser, PreTrainedModel
+from transformers import HfArgumentParser, PreTrainedModel, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
@@ -143,7 +144,8 @@ def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainR
     )
     before = trainer.measure_real_acceptance()["real_tau"] if prompts else None
     cpu_start, measured_before = time.process_time(), trainer.measurement_cpu_s
-    trainer.train(resume_from_checkpoint=_checkpoint_to_resume(args.resume_from_checkpoint, args.output_dir))
+    checkpoint = _checkpoint_to_resume(args.resume_from_checkpoint, args.output_dir)
+    trainer.train(resume_from_checkpoint=checkpoint)
     training_cpu_s = time.process_time() - cpu_start - (trainer.measurement_cpu_s - measured_before)
     after = _final_held_out_tau(trainer) if prompts else None
     wall_s = time.perf_counter() - start
@@ -151,6 +153,8 @@ def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainR
     # CPU seconds of the optimizer steps alone (this process, all its threads; not loading, caching or the held-out
     # tau): what an ablation compares variants by, even on a shared machine
     trainer.training_info["training"]["train_cpu_s"] = round(training_cpu_s, 1)
+    if checkpoint is not None:  # both times count this process only: the card says where it took over
+        trainer.training_info["training"]["resumed_from_step"] = _checkpoint_step(checkpoint)
     start_name = "the --init_draft drafter" if script.init_draft else "untrained drafter"
     trainer.training_info["acceptance"] = _held_out_acceptance(before, after, len(prompts), args, start_name)
     trainer.save_model()
@@ -166,6 +170,11 @@ def train(script: TrainScriptArguments, args: DFlashTrainingArguments) -> TrainR
         tau_after=after,
         output_dir=args.output_dir,
     )
+
+
+def _checkpoint_step(checkpoint: str) -> int:
+    """The optimizer step a Trainer checkpoint folder was saved at (its `trainer_state.json`)."""
+    return TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME)).global_step
 
 
 def _checkpoint_to_resume(flag: str | None, output_dir: str) -> str | None:
