@@ -22,7 +22,7 @@ from hf_dflash.bench.config import (
 )
 from hf_dflash.bench.harness import load_benchmark_prompts, measure_batch_throughput, run_benchmark
 from hf_dflash.bench.methods import default_methods, plain_thread_methods, plain_threads_name
-from hf_dflash.bench.plot import save_plot
+from hf_dflash.bench.plot import measured_methods, save_plot
 from hf_dflash.bench.report import BenchmarkReport, Mismatch, PromptRun, render_table
 from hf_dflash.bench.statistics import (
     count_new_tokens,
@@ -393,6 +393,12 @@ def test_table_and_plot(report, tmp_path):
     assert "target forward over n tokens" in table and "ours_tree16: tau" in table and "speedups vs" in table
     path = save_plot(report, tmp_path / "plots" / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_draws_only_the_methods_that_measured_something():
+    main = BenchmarkReport.read(RESULTS / "bench_smollm2_xeon_main.json")  # --full_comparison_limit 0
+    assert len(main.methods) == 10
+    assert measured_methods(main) == ["plain", "plain_stock", "plain_fast", "ours"]
 
 
 def test_the_table_counts_each_other_kernel_plains_differences_apart(report):

@@ -12,13 +12,26 @@ from pathlib import Path
 from hf_dflash.bench.report import BenchmarkReport
 
 
+def measured_methods(report: BenchmarkReport) -> list[str]:
+    """The report's methods that measured tokens/s on at least one dataset (a method skipped for every prompt, as
+    the full comparison's are past `--full_comparison_limit 0`, gets no bar and no legend entry)."""
+    return [
+        method
+        for method in report.methods
+        if any(
+            (row := summary.methods.get(method)) is not None and row.tokens_per_s
+            for summary in report.datasets.values()
+        )
+    ]
+
+
 def save_plot(report: BenchmarkReport, path: str | os.PathLike) -> Path:
     """Bars of median tokens/s per method per dataset, and the speedup (ratio of medians), as a PNG at `path`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     datasets = list(report.datasets)
-    methods = report.methods
+    methods = measured_methods(report)
     figure = Figure(figsize=(max(6, 1.8 * len(datasets) + 3), 7), layout="constrained")
     FigureCanvasAgg(figure)
     rate_axes, speed_axes = figure.subplots(2, 1, sharex=True)
