@@ -192,7 +192,7 @@ def _checkpoint_to_resume(flag: str | None, output_dir: str) -> str | None:
 
 
 def _is_complete(folder: Path) -> bool:
-    return folder.name.rsplit("-", 1)[1].isdigit() and (folder / "trainer_state.json").is_file()
+    return folder.name.rsplit("-", 1)[1].isdigit() and (folder / TRAINER_STATE_NAME).is_file()
 
 
 def _load_target(script: TrainScriptArguments, args: DFlashTrainingArguments) -> tuple[PreTrainedModel, object]:
