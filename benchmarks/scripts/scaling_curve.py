@@ -179,11 +179,10 @@ def plot(report: dict, path: Path):
         if points:
             by_data.plot(*zip(*points), style, color=colour[name])
     baselines = [r for r in results if r["records"] is None]
-    baseline_styles = dict(zip((r["point"] for r in baselines), itertools.cycle([":", "--", "-."])))
+    line_styles = itertools.cycle([":", "--", "-."])
+    baseline_styles = {r["point"]: {"linestyle": next(line_styles), "linewidth": 1} for r in baselines}
     for baseline, name in itertools.product(baselines, sets):
-        by_data.axhline(
-            baseline["tau"][name], color=colour[name], linestyle=baseline_styles[baseline["point"]], linewidth=1
-        )
+        by_data.axhline(baseline["tau"][name], color=colour[name], **baseline_styles[baseline["point"]])
     for point, name in itertools.product(sorted({r["point"] for r in results}), sets):
         points = sorted((r["step"], r["tau"][name]) for r in results if r["point"] == point)
         if len(points) > 1:
@@ -194,8 +193,7 @@ def plot(report: dict, path: Path):
         for block_size, style in styles.items()
     ]
     keys += [
-        Line2D([], [], color="k", linestyle=baseline_styles[r["point"]], linewidth=1, label=f"{r['point']} drafter")
-        for r in baselines
+        Line2D([], [], color="k", label=f"{r['point']} drafter", **baseline_styles[r["point"]]) for r in baselines
     ]
     by_data.legend(handles=keys, fontsize=7)
     by_data.set(xscale="log", xlabel="training records", ylabel="whole-block tau (greedy)", title="tau against data")
