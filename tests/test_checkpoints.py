@@ -26,7 +26,9 @@ from transformers.cache_utils import DFlashCache
 from hf_dflash import DFlashConfig, DFlashForDrafting
 from hf_dflash.model.modeling_dflash import NATIVE_KEY_MAPPING
 
-REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py")
+REMOTE_CODE_FILES = tuple(
+    sorted(path.name for path in (Path(__file__).parent.parent / "src/hf_dflash/model").glob("*_dflash.py"))
+)
 HIDDEN = 64  # helpers' llama target
 
 
@@ -208,9 +210,10 @@ FRESH_PROCESS_SCRIPT = textwrap.dedent(
 )
 
 
-def test_fresh_process_without_hf_dflash_routes_to_dflash(tmp_path):
+@pytest.mark.parametrize("overrides", [{}, {"variant": "dflash2", "selector_rank": 8}], ids=["dflash", "dflash2"])
+def test_fresh_process_without_hf_dflash_routes_to_dflash(tmp_path, overrides):
     target = make_target("llama", seed=4)
-    draft = randomize(make_draft(target, block_size=4), seed=5)
+    draft = randomize(make_draft(target, block_size=4, **overrides), seed=5)
     target.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "draft")
 

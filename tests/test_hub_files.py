@@ -14,7 +14,7 @@ from hf_dflash import DFlashForDrafting
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "hf_dflash" / "model"
 DRAFTERS = sorted(path.parent for path in (ROOT / "drafters").glob("*/config.json"))
-HUB_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py")
+HUB_FILES = sorted(path.name for path in PACKAGE.glob("*_dflash.py"))  # the remote code save_pretrained copies
 
 
 @pytest.mark.parametrize("folder", DRAFTERS, ids=lambda path: path.name)

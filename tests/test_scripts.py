@@ -100,8 +100,9 @@ def test_export_writes_both_layouts_in_the_dtype_and_replaces_an_earlier_export(
     export = lambda folder: export_drafter.export(source, folder, torch.bfloat16, None, [])  # noqa: E731
     export_drafter.replace_folder(destination, export)
     assert sorted(path.name for path in destination.iterdir()) == [
-        "README.md", "config.json", "configuration_dflash.py", "generation_dflash.py", "model.safetensors",
-        "modeling_dflash.py", "training_info.json", "zlab",
+        "README.md", "config.json", "configuration_dflash.py", "generation_dflash.py", "layouts_dflash.py",
+        "masking_dflash.py", "model.safetensors", "modeling_dflash.py", "selector_dflash.py", "training_info.json",
+        "zlab",
     ]  # fmt: skip
     assert DFlashForDrafting.from_pretrained(destination).dtype == torch.bfloat16
     assert sorted(path.name for path in tmp_path.joinpath("drafters").iterdir()) == ["mine"]  # no temporary folder

@@ -22,8 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -46,16 +45,29 @@ from transformers.utils import logging
 
 from .configuration_dflash import DFlashConfig, default_target_layer_ids, draft_rope_parameters
 from .generation_dflash import check_target_supported, enable_dflash_generate, token_ids
+from .layouts_dflash import (
+    NATIVE_KEY_MAPPING,
+    DFlashLayouts,
+    config_dict_from_layout,
+    detect_layout,
+    warn_about_zlab_readers,
+    write_folder_atomically,
+    zlab_config_dict,
+    zlab_state_dict,
+)
+from .masking_dflash import draft_attention_masks
+from .selector_dflash import (
+    DFlashCandidateSelector,
+    DFlashSublayerConv,
+    SelectorChain,
+    SelectorLattice,
+    walk_lattice,
+)
 
 logger = logging.get_logger(__name__)
 
-ZLAB_ARCHITECTURE = "DFlashDraftModel"
-NATIVE_MODEL_TYPE = "muse_glimmer_assistant"
-# transformers' native assistant calls the context projection `encoder.{fc,output_norm_enc}`.
-NATIVE_KEY_MAPPING = {r"^encoder\.fc\.": "fc.", r"^encoder\.output_norm_enc\.": "hidden_norm."}
-WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model")
 MASK_TOKEN_NAME_HINTS = ("mask", "reserved", "unused", "pad", "placeholder")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+DFLASH2_PARTS = ("attention_conv", "mlp_conv", "candidate_selector")  # weight-name parts only DFlash2 has
 
 
 class DFlashRMSNorm(Qwen3RMSNorm):
@@ -138,8 +150,18 @@ class DFlashAttention(nn.Module):
         return self.o_proj(output.reshape(batch, q_len, -1))
 
 
+def convolved(conv: DFlashSublayerConv | None, sublayer: Callable, normed: torch.Tensor) -> torch.Tensor:
+    """`sublayer(normed)`, or with DFlash2's `conv` around it: on its input and its output, both with the dynamic
+    coefficients of `normed`."""
+    if conv is None:
+        return sublayer(normed)
+    coefficients = conv.coefficients(normed)  # [b, L, 2, T, G]
+    return conv(sublayer(conv(normed, coefficients, 0)), coefficients, 1)
+
+
 class DFlashDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm decoder layer; the context is injected into attention without passing through `input_layernorm`."""
+    """Pre-norm decoder layer; the context is injected into attention without passing through `input_layernorm`.
+    DFlash2 wraps each sublayer in a convolution (`attention_conv`, `mlp_conv`); the context is not convolved."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
@@ -147,6 +169,9 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         self.mlp = DFlashMLP(config)
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        dflash2 = config.variant == "dflash2"
+        self.attention_conv = DFlashSublayerConv(config) if dflash2 else None
+        self.mlp_conv = DFlashSublayerConv(config) if dflash2 else None
 
     def forward(
         self,
@@ -157,156 +182,11 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), context, position_embeddings, attention_mask, cache, **kwargs
-        )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        def attention(normed: torch.Tensor) -> torch.Tensor:
+            return self.self_attn(normed, context, position_embeddings, attention_mask, cache, **kwargs)
 
-
-def key_padding_to_attention_mask(
-    key_padding_mask: torch.Tensor,
-    query_length: int,
-    dtype: torch.dtype,
-    sliding_window: int | None = None,
-    causal: bool = False,
-) -> torch.Tensor:
-    """Turn a `[b, K]` keep-mask over all keys (cache + context + block) into an additive `[b, 1, B, K]` mask.
-
-    The block is the last `query_length` keys. With `sliding_window`, a block slot additionally sees only the keys less
-    than `sliding_window` steps before it (counted in key slots); with `causal`, none after it.
-    """
-    keep = key_padding_mask.bool()[:, None, None, :].expand(-1, 1, query_length, -1)  # [b, 1, B, K]
-    num_keys = key_padding_mask.shape[-1]
-    query_slot = torch.arange(num_keys - query_length, num_keys, device=keep.device)[:, None]
-    key_slot = torch.arange(num_keys, device=keep.device)[None, :]
-    if sliding_window is not None:
-        keep = keep & (query_slot - key_slot < sliding_window)
-    if causal:
-        keep = keep & (key_slot <= query_slot)
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
-
-
-class DFlashLayouts:
-    """Names of the checkpoint layouts `DFlashForDrafting` reads and writes."""
-
-    HF = "hf-dflash"  # model_type "dflash", flat DFlash fields, auto_map for trust_remote_code
-    ZLAB = "z-lab"  # model_type "qwen3", architectures ["DFlashDraftModel"], nested dflash_config (vLLM, SGLang)
-    NATIVE = "transformers-native"  # model_type "muse_glimmer_assistant" (read only)
-
-
-def detect_layout(config_dict: dict) -> str:
-    """Which layout a raw `config.json` dict is in."""
-    if config_dict.get("model_type") == NATIVE_MODEL_TYPE:
-        return DFlashLayouts.NATIVE
-    if "dflash_config" in config_dict or ZLAB_ARCHITECTURE in (config_dict.get("architectures") or []):
-        return DFlashLayouts.ZLAB
-    return DFlashLayouts.HF
-
-
-def zlab_config_dict(config: DFlashConfig, full_vocabulary: bool = False) -> dict:
-    """The `config.json` that vLLM, SGLang and llama.cpp's converter read: Qwen3 fields, top-level `block_size`, a
-    nested `dflash_config`, and causality spelled out the way vLLM resolves it.
-
-    `full_vocabulary=True` leaves out `draft_vocab_size` (the engines then draft over the target's whole head).
-    """
-    config_dict = config.to_dict()
-    nested = ("mask_token_id", "target_layer_ids", "input_embedding_scale", "causal_sliding_attention")
-    for name in ("auto_map", "_name_or_path", "transformers_version", *nested):
-        config_dict.pop(name, None)
-    if full_vocabulary:
-        config_dict.pop("draft_vocab_size", None)
-    config_dict["model_type"] = "qwen3"
-    config_dict["architectures"] = [ZLAB_ARCHITECTURE]
-    config_dict["rope_theta"] = config.rope_parameters.get("rope_theta")  # engines predating rope_parameters
-    config_dict["dflash_config"] = {
-        "mask_token_id": config.mask_token_id,
-        "target_layer_ids": config.target_layer_ids,
-        "input_embedding_scale": config.input_embedding_scale,
-    }
-    if not config.causal_sliding_attention:
-        # vLLM: top-level `is_causal`, then `dflash_config.causal`, else `sliding_attention` layers run causally.
-        # A causal-sliding drafter writes neither, so that rule gives causal sliding and bidirectional full layers.
-        config_dict["is_causal"] = False
-        config_dict["dflash_config"]["causal"] = False
-    if "sliding_attention" in config.layer_types:
-        config_dict["use_sliding_window"] = True  # or transformers' Qwen3Config drops `sliding_window`
-    return config_dict
-
-
-def zlab_state_dict(draft: DFlashForDrafting, target: PreTrainedModel | None, full_vocabulary: bool) -> dict:
-    """The drafter's weights in the z-lab layout (CPU, contiguous).
-
-    A reduced draft vocabulary is written as vLLM reads one: `d2t` and the draft's own head `lm_head.weight`
-    (`[draft_vocab_size, H]`, the target head's rows of the draft ids). Without that head vLLM would share the target's
-    full head and misplace its logits. `full_vocabulary=True` writes neither, so engines share the target's head.
-    """
-    state_dict = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()}
-    if draft.config.draft_vocab_size is None:
-        return state_dict
-    if full_vocabulary:
-        del state_dict["d2t"]
-        return state_dict
-    if target is None:
-        raise ValueError(
-            f"This drafter proposes from a reduced vocabulary ({draft.config.draft_vocab_size} tokens), which vLLM reads "
-            "only with the draft's own LM head: pass `target=` (its head's rows are written as `lm_head.weight`), or "
-            "`full_vocabulary=True` to export for readers that draft over the whole vocabulary (SGLang, llama.cpp)."
-        )
-    head = target.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError(
-            "The target's LM head has a bias, which the engines' draft head cannot hold; export with "
-            "`full_vocabulary=True` so that they share the target's head."
-        )
-    if head.weight.shape[1] != draft.config.hidden_size:
-        raise ValueError(
-            f"The target's LM head is {tuple(head.weight.shape)}, not [vocab, {draft.config.hidden_size}]: pass the "
-            "target this drafter was built for."
-        )
-    token_ids = draft.draft_token_ids.to(head.weight.device)
-    state_dict["lm_head.weight"] = head.weight.detach()[token_ids].to(draft.dtype).cpu().contiguous()
-    return state_dict
-
-
-def warn_about_zlab_readers(config: DFlashConfig, full_vocabulary: bool) -> None:
-    """Say which serving engine reads this export differently from how the drafter was trained."""
-    if config.draft_vocab_size is not None and not full_vocabulary:
-        logger.warning(
-            f"z-lab export with a reduced draft vocabulary ({config.draft_vocab_size} tokens, `lm_head.weight` + "
-            "`d2t`): vLLM drafts over it as trained; SGLang ignores both and drafts over the target's whole head; "
-            "the authors' reference model takes no `d2t` (export with `full_vocabulary=True` for it), and llama.cpp "
-            "maps it only through `hf-dflash export --engine llama.cpp`."
-        )
-    if "sliding_attention" in config.layer_types and not config.causal_sliding_attention:
-        logger.warning(
-            "This drafter's sliding-window layers attend bidirectionally inside the block. vLLM reads `is_causal: "
-            "false`; SGLang runs `sliding_attention` draft layers causally whatever the config says, so its "
-            "acceptance will be lower than measured here."
-        )
-    if config.input_embedding_scale not in (None, 1.0):
-        logger.warning(
-            f"The target scales its embedding rows by {config.input_embedding_scale:g}; the export records it as "
-            "`dflash_config.input_embedding_scale`, which DFlash v1 readers (vLLM's and SGLang's DFlash) ignore: "
-            "they embed the block with the raw rows, so acceptance there will be lower than measured here."
-        )
-
-
-def write_folder_atomically(save_directory: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """Run `write(tmp_dir)` then move its files into `save_directory`; a failure leaves nothing half-written."""
-    target = Path(save_directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        write(tmp)
-        target.mkdir(exist_ok=True)
-        written = {path.name for path in tmp.iterdir()}
-        for stale in target.iterdir():  # weights of an earlier save would shadow or mix with the new ones
-            if stale.name not in written and stale.name.startswith(WEIGHT_FILE_PREFIXES):
-                stale.unlink()
-        for path in tmp.iterdir():
-            os.replace(path, target / path.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        hidden_states = hidden_states + convolved(self.attention_conv, attention, self.input_layernorm(hidden_states))
+        return hidden_states + convolved(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden_states))
 
 
 class DFlashPreTrainedModel(PreTrainedModel):
@@ -325,6 +205,19 @@ class DFlashPreTrainedModel(PreTrainedModel):
     # them from the target at run time.
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\.weight$"]
 
+    def _init_weights(self, module: nn.Module) -> None:
+        """transformers' defaults, and DFlash2's start: identity convolutions (tap 0 one, other taps and the dynamic
+        projection zero) and a zero successor codebook, so a fresh DFlash2 drafter drafts what its v1 layers do."""
+        super()._init_weights(module)
+        if isinstance(module, DFlashSublayerConv):
+            init.zeros_(module.kernel_projection.weight)
+            identity = torch.zeros_like(module.base_kernel)
+            identity[:, 0] = 1.0
+            init.copy_(module.base_kernel, identity)
+        elif isinstance(module, DFlashCandidateSelector):
+            init.normal_(module.predecessor_codebook, mean=0.0, std=self.config.initializer_range)
+            init.zeros_(module.successor_codebook)
+
 
 class DFlashForDrafting(DFlashPreTrainedModel):
     """The DFlash drafter. Pass it to `target.generate(..., assistant_model=draft)` or `hf_dflash.speculative_generate`.
@@ -341,6 +234,9 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         use_cache: `False` runs without `cache` (neither read nor extended); by default a given cache is used.
 
     Returns a `BaseModelOutputWithPast` whose `last_hidden_state` (`[b, B, H]`) is after the final norm.
+
+    A DFlash2 drafter (`config.variant == "dflash2"`) proposes through its `candidate_selector`: `select_chain` walks
+    the chain of the slots' candidates that its pairwise lattice scores best.
     """
 
     _is_dflash_draft = True  # duck-typed marker the generate() routing looks for
@@ -353,6 +249,7 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
+        self.candidate_selector = DFlashCandidateSelector(config) if config.variant == "dflash2" else None
         if config.draft_vocab_size is not None:  # offsets to target ids (vLLM/EAGLE-3 `d2t`); identity until set
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self._draft_head_cache: tuple | None = None
@@ -417,6 +314,42 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         token_ids = self.draft_token_ids
         return draft_ids if token_ids is None else token_ids[draft_ids]
 
+    def to_draft_ids(self, target_ids: torch.LongTensor) -> torch.LongTensor:
+        """Target token ids -> draft-vocabulary indices, -1 for a token outside the draft vocabulary."""
+        token_ids = self.draft_token_ids
+        if token_ids is None:
+            return target_ids
+        index = torch.searchsorted(token_ids, target_ids).clamp(max=token_ids.shape[0] - 1)  # ids are sorted
+        return torch.where(token_ids[index] == target_ids, index, -1)
+
+    def selector_lattice(
+        self, hidden_states: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.LongTensor
+    ) -> SelectorLattice:
+        """DFlash2: the candidates (draft ids) and pairwise scores of drafted slots `[b, S, H]` after the `[b]` anchor
+        tokens (target ids)."""
+        if self.candidate_selector is None:
+            raise ValueError(
+                "This is a DFlash (v1) drafter: it has no candidate selector. Build a DFlash2 drafter "
+                "(`DFlashForDrafting.from_target(target, variant='dflash2')`, or convert this one with "
+                "`hf_dflash.training.draft_init.dflash2_from_dflash`)."
+            )
+        logits = self.draft_logits(hidden_states, lm_head)  # [b, S, V_d]
+        return self.candidate_selector.lattice(hidden_states, logits, self.to_draft_ids(anchor_ids))
+
+    def select_chain(
+        self,
+        hidden_states: torch.Tensor,
+        lm_head: nn.Module,
+        anchor_ids: torch.LongTensor,
+        temperature: float | None = None,
+    ) -> tuple[torch.LongTensor, torch.LongTensor, SelectorChain]:
+        """DFlash2's proposals for drafted slots `[b, S, H]`: the selector's walked chain, greedy (`temperature` None
+        or 0) or sampled at `temperature`. Returns the chain's target ids `[b, S]`, every slot's candidates as target
+        ids `[b, S, K]`, and the walk itself (its rows give the proposal distribution `q` over the candidates)."""
+        lattice = self.selector_lattice(hidden_states, lm_head, anchor_ids)
+        chain = walk_lattice(lattice, temperature)
+        return self.to_target_ids(chain.draft_ids), self.to_target_ids(lattice.candidate_ids), chain
+
     def to_full_vocabulary(self, draft_scores: torch.Tensor, vocab_size: int, fill: float) -> torch.Tensor:
         """`[..., V_d]` scores -> `[..., V]`, `fill` at tokens outside the draft vocabulary."""
         token_ids = self.draft_token_ids
@@ -453,7 +386,9 @@ class DFlashForDrafting(DFlashPreTrainedModel):
             position_ids = torch.arange(past_len, past_len + context.shape[1] + block_len, device=noise_embeds.device)
             position_ids = position_ids.expand(batch, -1)
         position_embeddings = self.rotary_emb(noise_embeds, position_ids)
-        masks = self._attention_masks(attention_mask, batch, block_len, past_len + context.shape[1] + block_len)
+        num_keys = past_len + context.shape[1] + block_len
+        dtype, device = self.norm.weight.dtype, self.norm.weight.device
+        masks = draft_attention_masks(self.config, attention_mask, batch, block_len, num_keys, dtype, device)
         hidden_states = noise_embeds
         for layer, layer_type in zip(self.layers, self.config.layer_types):
             hidden_states = layer(
@@ -465,38 +400,6 @@ class DFlashForDrafting(DFlashPreTrainedModel):
                 **kwargs,
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
-
-    def _attention_masks(self, attention_mask: Any, batch: int, block_len: int, num_keys: int) -> dict[str, Any]:
-        """The mask of each layer type (`"full_attention"`, `"sliding_attention"`); `None` means every key is visible."""
-        if isinstance(attention_mask, dict):  # per layer type, e.g. from the training collator
-            full = self._attention_masks(attention_mask["full_attention"], batch, block_len, num_keys)
-            sliding = attention_mask.get("sliding_attention", attention_mask["full_attention"])
-            sliding = self._attention_masks(sliding, batch, block_len, num_keys)
-            return {"full_attention": full["full_attention"], "sliding_attention": sliding["full_attention"]}
-        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-            return dict.fromkeys(LAYER_TYPES, attention_mask)  # e.g. a flex BlockMask, built by the caller
-        dtype = self.norm.weight.dtype
-        if attention_mask is not None and attention_mask.dim() == 4:
-            if attention_mask.dtype == torch.bool:
-                attention_mask = torch.zeros_like(attention_mask, dtype=dtype).masked_fill(
-                    ~attention_mask, torch.finfo(dtype).min
-                )
-            return dict.fromkeys(LAYER_TYPES, attention_mask)
-        if attention_mask is not None and attention_mask.shape[-1] != num_keys:
-            raise ValueError(
-                f"attention_mask covers {attention_mask.shape[-1]} keys but the draft sees {num_keys} "
-                "(cached context + new context + block); pass a keep-mask over all of them."
-            )
-        masks = {"full_attention": None, "sliding_attention": None}
-        if attention_mask is not None:  # built whatever it holds: checking `.all()` would sync the host every call
-            masks["full_attention"] = key_padding_to_attention_mask(attention_mask, block_len, dtype)
-        if "sliding_attention" in self.config.layer_types:
-            if attention_mask is None:
-                attention_mask = torch.ones(batch, num_keys, dtype=torch.bool, device=self.norm.weight.device)
-            masks["sliding_attention"] = key_padding_to_attention_mask(
-                attention_mask, block_len, dtype, self.config.sliding_window, self.config.causal_sliding_attention
-            )
-        return masks
 
     # ----------------------------------------------------------------------------------------------------------------
     # Construction from a target
@@ -563,21 +466,13 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         if kwargs.get("config") is None:
             config_dict, _ = DFlashConfig.get_config_dict(pretrained_model_name_or_path, **_hub_kwargs(kwargs))
             layout = detect_layout(config_dict)
-            if layout == DFlashLayouts.NATIVE and config_dict.get("sliding_window"):
-                config_dict["sliding_window"] += 1  # native masks keep |q - k| <= w, ours (Qwen3's) q - k < w
             if layout != DFlashLayouts.HF:
-                for name in ("model_type", "architectures", "auto_map", "transformers_version"):
-                    config_dict.pop(name, None)
-                kwargs["config"] = DFlashConfig(**config_dict)
+                kwargs["config"] = DFlashConfig(**config_dict_from_layout(config_dict, layout))
             if layout == DFlashLayouts.NATIVE:
                 kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
-        if info.get("missing_keys"):
-            raise ValueError(
-                f"{pretrained_model_name_or_path} lacks weights {sorted(info['missing_keys'])}: they would be random. "
-                "Is it a DFlash drafter checkpoint (hf-dflash, z-lab or transformers-native layout)?"
-            )
+        check_loaded_weights(pretrained_model_name_or_path, model.config, info)
         return (model, info) if wants_info else model
 
     def save_pretrained(
@@ -644,6 +539,31 @@ class DFlashForDrafting(DFlashPreTrainedModel):
                 "serving engines need: pass `target=` to the export so it can be measured."
             )
         return scale
+
+
+def check_loaded_weights(name: str | os.PathLike, config: DFlashConfig, info: dict) -> None:
+    """Raise when a checkpoint's weights do not make the drafter its config describes: a missing weight would stay
+    random, and DFlash2 weights under a v1 config would be dropped."""
+    missing = sorted(info.get("missing_keys") or [])
+    dflash2_missing = [key for key in missing if any(part in key for part in DFLASH2_PARTS)]
+    if dflash2_missing:
+        raise ValueError(
+            f"{name} is configured as a DFlash2 drafter but lacks its weights {dflash2_missing}: they would be random. "
+            "Save the complete drafter again, or, for a DFlash (v1) checkpoint, load it without `variant: dflash2` "
+            "and convert it with `hf_dflash.training.draft_init.dflash2_from_dflash`."
+        )
+    if missing:
+        raise ValueError(
+            f"{name} lacks weights {missing}: they would be random. "
+            "Is it a DFlash drafter checkpoint (hf-dflash, z-lab or transformers-native layout)?"
+        )
+    dropped = sorted(key for key in info.get("unexpected_keys") or [] if any(part in key for part in DFLASH2_PARTS))
+    if config.variant == "dflash" and dropped:
+        raise ValueError(
+            f"{name} holds DFlash2 weights ({dropped[:3]}...) but its config describes a DFlash (v1) drafter, so they "
+            'would be ignored. Set `variant: "dflash2"` (hf-dflash layout) or `architectures: '
+            '["DFlash2DraftModel"]` (z-lab layout) in its config.json.'
+        )
 
 
 def _hub_kwargs(kwargs: dict) -> dict:

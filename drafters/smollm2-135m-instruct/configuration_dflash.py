@@ -13,6 +13,12 @@ Two fields record what serving engines need to read the drafter the way it was t
 `causal_sliding_attention` (whether sliding-window layers attend causally inside the block, as in z-lab's SWA drafters;
 hf-dflash trains every layer bidirectionally).
 
+`variant="dflash2"` adds DFlash2's two parts (inco.ai with z-lab, 2026): a grouped dynamic two-tap causal depthwise
+convolution around the input and output of every attention and MLP sublayer (`conv_kernel_size` taps, one dynamic
+coefficient per `conv_group_size` channels), and a candidate selector that keeps each slot's `selector_top_k` most
+likely draft tokens and walks one chain through a rank-`selector_rank` pairwise lattice. `output_multiplier` and
+`final_logit_softcapping` transform the unary logits the selector starts from.
+
 This file is copied next to the weights by `save_pretrained` and imported by `trust_remote_code` users who do not
 have `hf_dflash` installed: it imports only `transformers` and the standard library.
 """
@@ -54,6 +60,16 @@ NESTED_FIELDS = (
     "num_target_layers",
     "causal",
     "input_embedding_scale",
+)
+VARIANTS = ("dflash", "dflash2")
+# DFlash2 fields, also nested in `dflash_config` by the z-lab layout.
+DFLASH2_FIELDS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
 )
 
 
@@ -116,6 +132,16 @@ class DFlashConfig(PreTrainedConfig):
             recorded by `from_target` for serving engines that embed with the raw rows. `None`: not recorded.
         causal_sliding_attention (`bool`): sliding-window layers attend causally inside the block (z-lab's SWA
             drafters) instead of bidirectionally (hf-dflash's, and every full-attention layer).
+        variant (`str`): `"dflash"` (v1, the default) or `"dflash2"` (convolutions and a candidate selector).
+        conv_kernel_size (`int`): DFlash2 only: taps of each sublayer convolution (the token and the ones before it in
+            the block).
+        conv_group_size (`int`): DFlash2 only: channels sharing one dynamic coefficient; must divide `hidden_size`.
+        selector_rank (`int`): DFlash2 only: width R of the selector's codebooks and hidden projection.
+        selector_top_k (`int`): DFlash2 only: candidates K kept per slot; at most the draft vocabulary.
+        output_multiplier (`float`): DFlash2 only: factor on the unary logits before softcapping (1.0: the target
+            head's own scale).
+        final_logit_softcapping (`float`, *optional*): DFlash2 only: unary logits become `cap * tanh(u / cap)`;
+            `None` or 0: no cap.
 
     Checkpoints in the published z-lab layout (`model_type: "qwen3"` with a nested `dflash_config`) load into this
     class too: the nested fields are lifted to the top level, and causality is read the way vLLM reads it (top-level
@@ -155,6 +181,14 @@ class DFlashConfig(PreTrainedConfig):
     draft_vocab_size: int | None = None
     input_embedding_scale: float | None = None
     causal_sliding_attention: bool = False
+
+    variant: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         dflash_config = kwargs.pop("dflash_config", None) or {}
@@ -201,13 +235,24 @@ class DFlashConfig(PreTrainedConfig):
         for name in ("mask_token_id", "target_layer_ids", "num_target_layers", "input_embedding_scale"):
             if getattr(self, name) is None and dflash_config.get(name) is not None:
                 setattr(self, name, dflash_config[name])
-        if dflash_config.get("block_size") is not None:  # the nested value is the more specific one
-            self.block_size = dflash_config["block_size"]
-        unknown = set(dflash_config) - set(NESTED_FIELDS)
+        for name in ("block_size", *DFLASH2_FIELDS):  # the nested value is the more specific one
+            if dflash_config.get(name) is not None:
+                setattr(self, name, dflash_config[name])
+        if dflash_config.get("sample_from_anchor"):
+            raise ValueError(
+                "This checkpoint drafts from the anchor slot (`dflash_config.sample_from_anchor: true`, DSpark's layout); "
+                "DFlash and DFlash2 drafters read their proposals from the slots after the anchor. Use a DFlash or "
+                "DFlash2 checkpoint, or set `sample_from_anchor: false` if it was trained anchor-first."
+            )
+        unknown = set(dflash_config) - set(NESTED_FIELDS) - set(DFLASH2_FIELDS) - {"sample_from_anchor"}
         if unknown:
             logger.warning(f"Ignoring unsupported `dflash_config` fields {sorted(unknown)}.")
 
     def _check_fields(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}.")
+        if self.variant == "dflash2":
+            self._check_dflash2_fields()
         if self.block_size < 2:
             raise ValueError(
                 f"block_size must be >= 2 (the anchor plus at least one drafted token), got {self.block_size}."
@@ -236,5 +281,34 @@ class DFlashConfig(PreTrainedConfig):
                 "target's embedding that the target never emits (a reserved or padded token)."
             )
 
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a dict; a v1 drafter's has no DFlash2 fields (its `config.json` stays as it always was)."""
+        config_dict = super().to_dict()
+        if self.variant == "dflash":
+            for name in ("variant", *DFLASH2_FIELDS):
+                config_dict.pop(name, None)
+        return config_dict
 
-__all__ = ["DFlashConfig", "default_target_layer_ids", "draft_rope_parameters"]
+    def _check_dflash2_fields(self) -> None:
+        if self.conv_kernel_size < 1 or self.conv_group_size < 1:
+            raise ValueError(
+                f"conv_kernel_size ({self.conv_kernel_size}) and conv_group_size ({self.conv_group_size}) must be >= 1."
+            )
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by conv_group_size {self.conv_group_size}: each "
+                "dynamic coefficient covers conv_group_size channels. Pick a divisor of the hidden size (e.g. 16)."
+            )
+        if self.selector_rank < 1:
+            raise ValueError(f"selector_rank must be >= 1, got {self.selector_rank}.")
+        vocabulary = self.draft_vocab_size or self.vocab_size
+        if self.selector_top_k < 1 or (vocabulary is not None and self.selector_top_k > vocabulary):
+            raise ValueError(
+                f"selector_top_k={self.selector_top_k} must be between 1 and the draft vocabulary ({vocabulary} "
+                "tokens): the selector keeps that many candidates per slot. Lower selector_top_k (e.g. 16)."
+            )
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping < 0:
+            raise ValueError(f"final_logit_softcapping must be positive or None, got {self.final_logit_softcapping}.")
+
+
+__all__ = ["DFLASH2_FIELDS", "DFlashConfig", "default_target_layer_ids", "draft_rope_parameters"]

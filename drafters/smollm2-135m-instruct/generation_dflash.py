@@ -262,6 +262,32 @@ def draft_logits_full_vocabulary(draft: Any, lm_head: Any, hidden_states: torch.
     return draft.to_full_vocabulary(logits, lm_head.weight.shape[0], float("-inf"))
 
 
+def is_dflash2(draft: Any) -> bool:
+    """Whether `draft` proposes through DFlash2's candidate selector."""
+    return getattr(draft.config, "variant", "dflash") == "dflash2"
+
+
+def selector_proposals(
+    draft: Any, lm_head: Any, hidden_states: torch.Tensor, anchor_ids: torch.LongTensor, temperature: float | None
+) -> tuple[torch.LongTensor, torch.Tensor]:
+    """DFlash2's proposals for drafted slots `[b, S, H]` after the `[b]` anchors: the selector's walked chain `[b, S]`
+    (greedy with `temperature` None or 0, else sampled at it) and the walk's logits over the whole vocabulary
+    `[b, S, V]` (each row's scores over its K candidates, divided by the temperature; -inf elsewhere), whose softmax is
+    the distribution `q` each proposal was drawn from."""
+    tokens, candidates, chain = draft.select_chain(hidden_states, lm_head, anchor_ids, temperature)
+    rows = chain.row_scores / (temperature or 1.0)  # [b, S, K]
+    logits = rows.new_full((*rows.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
+    return tokens, logits.scatter_(-1, candidates, rows)
+
+
+def greedy_head_step(draft: Any, lm_head: Any, hidden_states: torch.Tensor, anchor_ids: torch.LongTensor) -> Any:
+    """What a greedy round computes after the draft forward, for timing it: the logits over the draft vocabulary (v1),
+    or the selector's walked chain (DFlash2)."""
+    if is_dflash2(draft):
+        return draft.select_chain(hidden_states, lm_head, anchor_ids)
+    return draft.draft_logits(hidden_states, lm_head)
+
+
 def warp_logits(
     logits: torch.Tensor, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList | None
 ) -> torch.Tensor:
@@ -289,7 +315,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
     measured costs, `best_num_draft`), and while drafted rounds commit fewer tokens per second than plain decoding
     would, calls return no candidate without drafting (the planner's `Fallback` for this path: a plain step), keeping
     the skipped steps' hidden states for the next draft. The planner keeps what it measured and judged for the next
-    call. This path verifies chains only.
+    call. This path verifies chains only. A DFlash2 drafter proposes its selector's chain (`selector_proposals`), and
+    its candidate logits are the walk's, so that `q` is what the proposals were drawn from.
     """
 
     requires_model_outputs = True
@@ -310,6 +337,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.block_size = draft.config.block_size
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
+        self.temperature = generation_config.temperature if self.do_sample else None
         self.logits_processor = logits_processor
         self.batched_warpers = _is_position_independent(logits_processor)
         # Keep the user's own request for all hidden states; otherwise capture only the tapped layers.
@@ -360,8 +388,14 @@ class DFlashCandidateGenerator(CandidateGenerator):
         features, self.pending = torch.cat(self.pending, dim=1), []
         hidden = self._draft_block(input_ids, features, (model_kwargs or {}).get("attention_mask"))
         num_draft = min(self.block_size - 1, budget - 1)
-        logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden[:, 1 : 1 + num_draft])  # [1, k, V]
-        draft_ids, logits = self._select(input_ids, logits)
+        if is_dflash2(self.draft):  # the selector's chain; its logits make q, whatever the processors do to p
+            anchor = input_ids[:, -1]
+            draft_ids, logits = selector_proposals(
+                self.draft, self.lm_head, hidden[:, 1 : 1 + num_draft], anchor, self.temperature
+            )
+        else:
+            logits = draft_logits_full_vocabulary(self.draft, self.lm_head, hidden[:, 1 : 1 + num_draft])  # [1, k, V]
+            draft_ids, logits = self._select(input_ids, logits)
         keep = self._num_worth_verifying(logits)
         return torch.cat([input_ids, draft_ids[:, :keep]], dim=1), logits[:, :keep] if keep else None
 
@@ -471,7 +505,19 @@ def _wrap_get_candidate_generator(original):
     @functools.wraps(original)
     def _get_candidate_generator(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs).arguments
-        if _uses_our_generator(call["generation_config"], call.get("assistant_model")):
+        assistant, generation_config = call.get("assistant_model"), call["generation_config"]
+        if (
+            is_dflash_draft(assistant)
+            and is_dflash2(assistant)
+            and not _uses_our_generator(generation_config, assistant)
+        ):
+            raise ValueError(
+                "This DFlash2 drafter proposes through its candidate selector, which only hf-dflash's generator runs; "
+                f"`speculation_type={getattr(generation_config, 'speculation_type', None)!r}` (or another candidate "
+                "strategy) asks for a path that would ignore it. Drop that argument: "
+                "`generate(..., assistant_model=draft)` routes to hf-dflash's generator."
+            )
+        if _uses_our_generator(generation_config, assistant):
             return DFlashCandidateGenerator(
                 target=self,
                 draft=call["assistant_model"],
@@ -511,7 +557,10 @@ __all__ = [
     "cut_at_stop",
     "draft_forward",
     "enable_dflash_generate",
+    "greedy_head_step",
+    "is_dflash2",
     "is_dflash_draft",
     "noise_block",
+    "selector_proposals",
     "warp_logits",
 ]

@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
 from hf_dflash.bench.statistics import median
-from hf_dflash.model.generation_dflash import draft_forward, synchronized_clock
+from hf_dflash.model.generation_dflash import draft_forward, greedy_head_step, synchronized_clock
 from hf_dflash.model.modeling_dflash import DFlashForDrafting
 
 logger = logging.get_logger(__name__)
@@ -60,7 +60,7 @@ def time_draft_forward(
             start = synchronized_clock(device)
             hidden = draft_forward(fresh, embed, anchor, context[:, :1], all_positions[:, context_len:], cache=cache)
             head_start = synchronized_clock(device)
-            fresh.draft_logits(hidden[:, 1:], lm_head)  # over the draft vocabulary, as the loop does
+            greedy_head_step(fresh, lm_head, hidden[:, 1:], anchor[:, 0])  # as the loop does
             end = synchronized_clock(device)
             cache.crop(-1)  # back to `context_len` cached tokens
             if attempt >= 2:

@@ -259,6 +259,7 @@ def _method_names(
     methods: dict[str, Method],
     baselines: Sequence[str],
     target: PreTrainedModel,
+    draft: PreTrainedModel,
     planner: VerifyPlanner,
 ) -> tuple[list[str], dict[str, str]]:
     """The methods to run (baselines first) and those left out in this setting, with the reason."""
@@ -266,7 +267,7 @@ def _method_names(
     unknown = [m for m in names if m not in methods]
     if unknown:
         raise ValueError(f"Unknown methods {unknown}; known: {sorted(methods)}.")
-    skipped = not_applicable(names, target, config.do_sample, planner)
+    skipped = not_applicable(names, target, config.do_sample, planner, draft)
     return [m for m in names if m not in skipped], skipped
 
 
@@ -437,7 +438,7 @@ def run_benchmark(
     """
     planner = planner if planner is not None else VerifyPlanner()
     methods, baselines = _method_table(config, methods, preparation, planner)
-    names, skipped = _method_names(config, methods, baselines, target, planner)
+    names, skipped = _method_names(config, methods, baselines, target, draft, planner)
     if config.repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {config.repeats}.")
     if prompts is None:

@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from hf_dflash.model.generation_dflash import context_features, draft_forward, synchronized_clock
+from hf_dflash.model.generation_dflash import context_features, draft_forward, greedy_head_step, synchronized_clock
 
 from .cpu_kernels import is_optimized_for_cpu
 from .tree import supports_tree_verification
@@ -260,6 +260,6 @@ def _time_draft(target, draft, hidden_states, batch_size: int, repeats: int) -> 
     for _ in range(repeats + 1):  # the first is a warm-up
         start = synchronized_clock(target.device)
         hidden = draft_forward(draft, target.get_input_embeddings(), anchors, features, positions)
-        draft.draft_logits(hidden[:, 1:], target.get_output_embeddings())
+        greedy_head_step(draft, target.get_output_embeddings(), hidden[:, 1:], anchors[:, 0])
         timings.append(synchronized_clock(target.device) - start)
     return median(timings[1:])

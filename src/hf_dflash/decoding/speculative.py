@@ -4,9 +4,10 @@ One round, for every row at once (B = block size, S <= B - 1 drafted slots):
 
 1. draft:  one drafter forward over `[bonus, MASK x (B-1)]`, conditioned on the target hidden states of the tokens
            committed since the last draft (`draft_block`);
-2. plan:   the proposals to verify (`propose`): every slot's argmax (a chain, DFlash as published); with measured
-           `verify_costs`, the best-first nodes of a draft tree (`tree`) or chain worth their cost, possibly
-           none (`policy`); under sampling, a chain of samples of `q` (or the draft's argmax, one-hot `q`);
+2. plan:   the proposals to verify (`propose`): every slot's argmax (a chain, DFlash as published), or a DFlash2
+           drafter's selector chain; with measured `verify_costs`, the best-first nodes of a draft tree (`tree`,
+           v1 only) or chain worth their cost, possibly none (`policy`); under sampling, a chain of samples of `q`
+           (or the draft's argmax, one-hot `q`), for DFlash2 `q` being the selector walk's distribution;
 3. verify: one target forward over `[bonus, nodes]` (`verify`): a causal mask for a chain, a tree mask and
            per-node positions (depth from the bonus) for a tree;
 4. accept: greedy keeps the longest path whose tokens are the target's argmax (`accept_greedy`); sampling applies
@@ -45,7 +46,9 @@ from hf_dflash.model.generation_dflash import (
     cut_at_stop,
     draft_forward,
     draft_logits_full_vocabulary,
+    is_dflash2,
     pad_token_id_of,
+    selector_proposals,
     synchronized_clock,
     token_ids,
     warp_logits,
@@ -219,7 +222,7 @@ def speculative_generate(
     max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
     row_by_row = batch_size > 1 and _has_sliding_window(target)
     planner = planner if planner is not None else VerifyPlanner()
-    max_tree_nodes = _max_tree_nodes(target, tree, bool(config.do_sample), verify_costs is not None, planner)
+    max_tree_nodes = _max_tree_nodes(target, draft, tree, bool(config.do_sample), verify_costs is not None, planner)
     max_tokens = max(draft.config.block_size, max_tree_nodes + 1)
     costs = _resolve_verify_costs(target, draft, verify_costs, planner, 1 if row_by_row else batch_size, max_tokens)
     parameters = inspect.signature(target.forward).parameters
@@ -229,6 +232,7 @@ def speculative_generate(
         max_new_tokens=max_new_tokens,
         do_sample=bool(config.do_sample),
         warpers=_sampling_warpers(config) if config.do_sample else LogitsProcessorList(),
+        temperature=float(config.temperature or 1.0) if config.do_sample else None,
         eos_ids=token_ids(config.eos_token_id),
         pad_token_id=pad_token_id_of(config),
         pass_positions="position_ids" in parameters,
@@ -254,7 +258,12 @@ def _prepare_for_cpu(target: PreTrainedModel, draft: PreTrainedModel) -> None:
 
 
 def _max_tree_nodes(
-    target: PreTrainedModel, tree: bool | int | None, do_sample: bool, costed: bool, planner: VerifyPlanner
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tree: bool | int | None,
+    do_sample: bool,
+    costed: bool,
+    planner: VerifyPlanner,
 ) -> int:
     """How many nodes a round may verify as a tree; 0: chains (see `speculative_generate`'s `tree`)."""
     if tree is None:
@@ -267,7 +276,7 @@ def _max_tree_nodes(
         raise ValueError(f"tree must be None, a bool or a number of nodes >= 0, got {tree!r}.")
     if wanted == 0:
         return 0
-    reason = tree_unsupported_reason(target, do_sample, planner)
+    reason = tree_unsupported_reason(target, do_sample, planner, draft)
     if reason is None:
         return wanted
     if tree is None:  # the default quietly falls back to chains
@@ -276,9 +285,13 @@ def _max_tree_nodes(
     raise ValueError(f"tree={tree!r} cannot be used: {reason}. Pass tree=False (chains).")
 
 
-def tree_unsupported_reason(target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner) -> str | None:
-    """Why `target` cannot verify draft trees under these settings, or `None` when it can (tree support is
-    checked once per `planner`)."""
+def tree_unsupported_reason(
+    target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner, draft: PreTrainedModel | None = None
+) -> str | None:
+    """Why `target` (with `draft`) cannot verify draft trees under these settings, or `None` when it can (tree
+    support is checked once per `planner`)."""
+    if draft is not None and is_dflash2(draft):
+        return "a DFlash2 drafter proposes its candidate selector's chain"
     if do_sample:
         return "draft trees are verified for greedy decoding only (sampling verifies chains)"
     if _has_sliding_window(target):
@@ -360,6 +373,7 @@ class _Setup:
     max_new_tokens: int
     do_sample: bool
     warpers: LogitsProcessorList
+    temperature: float | None  # sampling's temperature (DFlash2's walk draws at it); None: greedy
     eos_ids: list[int]
     pad_token_id: int
     pass_positions: bool  # the target's forward takes `position_ids`
@@ -512,6 +526,8 @@ def propose(setup: _Setup, state: DecodeState) -> Proposal:
     if num_slots == 0:  # one token left: the target's own next token is all a round can commit
         return _plain_step(state)
     hidden = draft_block(setup, state)[:, 1 : 1 + num_slots]  # [b, S, H]
+    if is_dflash2(setup.draft):
+        return _selector_chain(setup, state, hidden)
     if setup.do_sample:
         return _sampled_chain(setup, state, hidden)
     logits = setup.draft.draft_logits(hidden, setup.target.get_output_embeddings())  # [b, S, V_d]
@@ -539,6 +555,22 @@ def _sampled_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> P
         q = torch.nn.functional.one_hot(tokens, vocab).to(q.dtype)
     tree = _planned(setup, state, chain(tokens, confidence))
     return Proposal(tree, q[:, : tree.num_nodes])
+
+
+def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> Proposal:
+    """DFlash2: the selector's walked chain (sampled at the temperature when sampling proposals), its length planned
+    from the walk's own probabilities; under sampling `q` is the walk's distribution (one-hot for a greedy walk)."""
+    sampled = setup.do_sample and setup.sample_proposals
+    lm_head = setup.target.get_output_embeddings()
+    tokens, logits = selector_proposals(
+        setup.draft, lm_head, hidden, state.bonus, setup.temperature if sampled else None
+    )
+    q = logits.softmax(-1)  # [b, S, V], zero outside each slot's candidates
+    confidence = q.gather(-1, tokens[..., None])[..., 0]  # [b, S]
+    if setup.do_sample and not sampled:
+        q = torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype)
+    tree = _planned(setup, state, chain(tokens, confidence))
+    return Proposal(tree, q[:, : tree.num_nodes] if setup.do_sample else None)
 
 
 def _planned(setup: _Setup, state: DecodeState, candidates: DraftTree) -> DraftTree:

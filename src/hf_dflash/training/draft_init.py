@@ -8,6 +8,10 @@ copied by their effective scale (`norm(ones)`), so Gemma's `1 + weight` parametr
 the drafter's plain RMSNorm. What does not match (the target's activation, sandwich norms, biases) is left at the
 drafter's own initialisation, and logged. A target with an unmerged PEFT LoRA adapter (a fine-tune) gives each wrapped
 projection's effective weight (base plus the active adapters' delta), so the drafter starts from the fine-tune.
+
+A DFlash2 drafter can also start from a trained DFlash (v1) drafter (`dflash2_from_dflash`): every v1 weight is kept,
+the convolutions start as the identity and the successor codebook at zero, so it proposes exactly what the v1
+drafter does until training moves them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
+from hf_dflash.model.configuration_dflash import DFLASH2_FIELDS
 from hf_dflash.model.modeling_dflash import DFlashForDrafting
 
 logger = logging.get_logger(__name__)
@@ -59,6 +64,27 @@ def initialize_draft_from_target(draft: DFlashForDrafting, target: PreTrainedMod
         f"{len(target_layers) - num_draft}..{len(target_layers) - 1}; left at their own initialisation: {left}"
     )
     return copied
+
+
+def dflash2_from_dflash(draft: DFlashForDrafting, **fields: object) -> DFlashForDrafting:
+    """A DFlash2 drafter that starts as `draft` (a DFlash v1 drafter): its weights, identity convolutions, a zero
+    successor codebook. `fields` set the DFlash2 config fields (`selector_rank`, `selector_top_k`, `conv_group_size`,
+    ...); the rest of the config is `draft`'s. Same dtype and device as `draft`."""
+    if draft.config.variant != "dflash":
+        raise ValueError(f"dflash2_from_dflash converts a DFlash (v1) drafter; this one is {draft.config.variant!r}.")
+    unknown = sorted(set(fields) - set(DFLASH2_FIELDS))
+    if unknown:
+        raise ValueError(f"dflash2_from_dflash sets only the DFlash2 fields {list(DFLASH2_FIELDS)}; got {unknown}.")
+    config = draft.config.to_dict() | {"variant": "dflash2", **fields}
+    for name in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path"):
+        config.pop(name, None)
+    with draft.device:
+        converted = DFlashForDrafting._from_config(type(draft.config)(**config), dtype=draft.dtype)
+    result = converted.load_state_dict(draft.state_dict(), strict=False)
+    if result.unexpected_keys or any("conv" not in key and "selector" not in key for key in result.missing_keys):
+        raise RuntimeError(f"dflash2_from_dflash: weights did not carry over ({result}).")
+    converted.train(draft.training)
+    return converted.to(draft.device)
 
 
 def decoder_layers(target: PreTrainedModel) -> nn.ModuleList:

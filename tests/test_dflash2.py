@@ -1,0 +1,489 @@
+"""DFlash2 drafters: the published layout, the selector's math against plain loops, losslessness and bad input.
+
+The reference computations here are written from the DFlash2 spec (`research/dflash2.md` on the shelf) with plain
+Python loops over indices, not with the library's code: the convolution `sum_tau (base[tau, c] + D[t, tau, c // gs])
+* x[t - tau, c]` inside a block, the unary transform `cap * tanh(z * m / cap)`, the top-K candidates, the lattice
+`U[c] + sum_r A[pred, r] * P[r] * B[c, r]` and the greedy walk conditioned on its own previous choice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import FAMILIES, PAD, VOCAB, greedy_reference, left_pad, make_draft, make_oracle, make_target
+from safetensors import safe_open
+from safetensors.torch import save_file
+from test_sampling import SETTINGS, chi_square_pvalue, exact_joint, peaky_target, samples_from_generate
+
+from hf_dflash import DFlashConfig, DFlashForDrafting, speculative_generate
+from hf_dflash.model.selector_dflash import DFlashSublayerConv
+from hf_dflash.training.draft_init import dflash2_from_dflash
+
+HIDDEN, RANK, TOP_K, BLOCK = 64, 8, 4, 4
+SELECTOR = {"variant": "dflash2", "selector_rank": RANK, "selector_top_k": TOP_K}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A checkpoint in the published layout, built by hand
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def published_config() -> dict:
+    """A `DFlash2DraftModel` config.json shaped like the released ones (Muse-Glimmer's keys), sizes scaled down."""
+    return {
+        "architectures": ["DFlash2DraftModel"],
+        "model_type": "qwen3",
+        "is_causal": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "dtype": "float32",
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "intermediate_size": 96,
+        "layer_types": ["sliding_attention", "sliding_attention"],
+        "max_position_embeddings": 512,
+        "max_window_layers": 2,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "num_target_layers": 3,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "sliding_window": 64,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "use_sliding_window": True,
+        "vocab_size": VOCAB,
+        "dflash_config": {
+            "block_size": BLOCK,
+            "mask_token_id": PAD,
+            "target_layer_ids": [0, 2],
+            "conv_kernel_size": 2,
+            "conv_group_size": 16,
+            "selector_rank": RANK,
+            "selector_top_k": TOP_K,
+            "output_multiplier": 0.5,
+            "final_logit_softcapping": 20.0,
+        },
+    }
+
+
+def published_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every tensor of the released checkpoints' safetensors header (names and shape pattern), random values."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = HIDDEN // 16
+
+    def rand(*shape, scale=0.2):
+        return torch.randn(*shape, generator=generator) * scale
+
+    tensors = {
+        "fc.weight": rand(HIDDEN, 2 * HIDDEN),
+        "hidden_norm.weight": 1 + rand(HIDDEN),
+        "norm.weight": 1 + rand(HIDDEN),
+        "candidate_selector.hidden_projection.weight": rand(RANK, HIDDEN),
+        "candidate_selector.predecessor_codebook": rand(VOCAB, RANK, scale=1.0),
+        "candidate_selector.successor_codebook": rand(VOCAB, RANK, scale=1.0),
+    }
+    for i in range(2):
+        layer = f"layers.{i}."
+        tensors |= {
+            layer + "input_layernorm.weight": 1 + rand(HIDDEN),
+            layer + "post_attention_layernorm.weight": 1 + rand(HIDDEN),
+            layer + "self_attn.q_proj.weight": rand(64, HIDDEN),
+            layer + "self_attn.k_proj.weight": rand(32, HIDDEN),
+            layer + "self_attn.v_proj.weight": rand(32, HIDDEN),
+            layer + "self_attn.o_proj.weight": rand(HIDDEN, 64),
+            layer + "self_attn.q_norm.weight": 1 + rand(16),
+            layer + "self_attn.k_norm.weight": 1 + rand(16),
+            layer + "mlp.gate_proj.weight": rand(96, HIDDEN),
+            layer + "mlp.up_proj.weight": rand(96, HIDDEN),
+            layer + "mlp.down_proj.weight": rand(HIDDEN, 96),
+            layer + "attention_conv.base_kernel": 1 + rand(2, 2, HIDDEN),
+            layer + "attention_conv.kernel_projection.weight": rand(2 * 2 * groups, HIDDEN),
+            layer + "mlp_conv.base_kernel": 1 + rand(2, 2, HIDDEN),
+            layer + "mlp_conv.kernel_projection.weight": rand(2 * 2 * groups, HIDDEN),
+        }
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama")
+
+
+@pytest.fixture
+def published(tmp_path):
+    folder = tmp_path / "published"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(published_config()))
+    save_file(published_tensors(), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_published_checkpoint_loads_every_tensor(published):
+    draft = DFlashForDrafting.from_pretrained(published)
+    config = draft.config
+    assert config.variant == "dflash2" and config.block_size == BLOCK and config.mask_token_id == PAD
+    assert (config.selector_rank, config.selector_top_k, config.conv_group_size) == (RANK, TOP_K, 16)
+    assert config.output_multiplier == 0.5 and config.final_logit_softcapping == 20.0
+    assert config.target_layer_ids == [0, 2] and not config.causal_sliding_attention
+    state = draft.state_dict()
+    for name, tensor in published_tensors().items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_published_checkpoint_round_trips_through_the_zlab_layout(published, target, tmp_path):
+    draft = DFlashForDrafting.from_pretrained(published)
+    draft.save_pretrained(tmp_path / "out", layout="z-lab", target=target)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    original = published_config()
+    assert written["architectures"] == ["DFlash2DraftModel"] and written["model_type"] == "qwen3"
+    assert written["is_causal"] is False
+    for key, value in original["dflash_config"].items():
+        assert written["dflash_config"][key] == value, key
+    assert written["dflash_config"]["sample_from_anchor"] is False
+    assert "variant" not in written and "selector_rank" not in written  # nested only, as published
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as weights:
+        assert set(weights.keys()) == set(published_tensors())
+        for name, tensor in published_tensors().items():
+            assert torch.equal(weights.get_tensor(name), tensor), name
+    reloaded = DFlashForDrafting.from_pretrained(tmp_path / "out")
+    assert reloaded.config.input_embedding_scale == 1.0  # measured on the target by the export, as for v1
+    ignored = {"_name_or_path": None, "input_embedding_scale": None}
+    assert reloaded.config.to_dict() | ignored == draft.config.to_dict() | ignored
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The math, against plain loops
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def loop_conv(x, coefficients, base, side, group_size, block_size):
+    """`out[b, t, c] = sum_tau (base[side, tau, c] + D[b, t, side, tau, c // gs]) * x[b, t - tau, c]`, in-block."""
+    batch, length, hidden = x.shape
+    out = torch.zeros_like(x)
+    for b in range(batch):
+        for t in range(length):
+            for c in range(hidden):
+                total = 0.0
+                for tau in range(base.shape[1]):
+                    if t % block_size >= tau:
+                        weight = base[side, tau, c] + coefficients[b, t, side, tau, c // group_size]
+                        total += float(weight) * float(x[b, t - tau, c])
+                out[b, t, c] = total
+    return out
+
+
+def test_convolution_matches_the_loop_inside_each_block(published):
+    draft = DFlashForDrafting.from_pretrained(published)
+    conv = draft.layers[0].attention_conv
+    x = torch.randn(2, 3 * BLOCK, HIDDEN)  # three blocks side by side, as in training
+    coefficients = conv.coefficients(torch.randn(2, 3 * BLOCK, HIDDEN))
+    assert coefficients.shape == (2, 3 * BLOCK, 2, 2, HIDDEN // 16)
+    with torch.no_grad():
+        for side in (0, 1):
+            expected = loop_conv(x, coefficients, conv.base_kernel, side, 16, BLOCK)
+            torch.testing.assert_close(conv(x, coefficients, side), expected, rtol=1e-5, atol=1e-5)
+
+
+def loop_selector(draft, hidden, head_weight, anchors, temperature=None, uniforms=None):
+    """Candidates, lattice and walked chain from the spec's formulas, one index at a time."""
+    config, selector = draft.config, draft.state_dict()
+    projection = selector["candidate_selector.hidden_projection.weight"]
+    predecessor = selector["candidate_selector.predecessor_codebook"]
+    successor = selector["candidate_selector.successor_codebook"]
+    cap, multiplier, top_k = config.final_logit_softcapping, config.output_multiplier, config.selector_top_k
+    batch, slots, _ = hidden.shape
+    all_candidates, all_scores, chains = [], [], []
+    for b in range(batch):
+        candidates, scores = [], []
+        for i in range(slots):
+            unary = []
+            for v in range(head_weight.shape[0]):
+                z = sum(float(hidden[b, i, h]) * float(head_weight[v, h]) for h in range(hidden.shape[-1]))
+                unary.append(cap * math.tanh(z * multiplier / cap))
+            order = sorted(range(len(unary)), key=lambda v: -unary[v])[:top_k]
+            projected = [
+                sum(float(projection[r, h]) * float(hidden[b, i, h]) for h in range(HIDDEN)) for r in range(RANK)
+            ]
+            previous = [int(anchors[b])] * top_k if i == 0 else candidates[i - 1]
+            lattice = [
+                [
+                    unary[c]
+                    + sum(float(predecessor[p, r]) * projected[r] * float(successor[c, r]) for r in range(RANK))
+                    for c in order
+                ]
+                for p in previous
+            ]
+            candidates.append(order)
+            scores.append(lattice)
+        chain, previous_choice = [], 0
+        for i in range(slots):
+            row = scores[i][previous_choice]
+            previous_choice = max(range(top_k), key=lambda c: (row[c], -c))
+            chain.append(candidates[i][previous_choice])
+        all_candidates.append(candidates)
+        all_scores.append(scores)
+        chains.append(chain)
+    return torch.tensor(all_candidates), torch.tensor(all_scores), torch.tensor(chains)
+
+
+def test_candidates_lattice_and_chain_match_the_spec(published, target):
+    draft = DFlashForDrafting.from_pretrained(published).eval()
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, BLOCK - 1, HIDDEN, generator=generator) * 3
+    anchors = torch.tensor([7, 30])
+    head = target.get_output_embeddings()
+    expected_candidates, expected_scores, expected_chain = loop_selector(draft, hidden, head.weight.detach(), anchors)
+    with torch.no_grad():
+        lattice = draft.selector_lattice(hidden, head, anchors)
+        tokens, candidates, chain = draft.select_chain(hidden, head, anchors)
+    assert torch.equal(lattice.candidate_ids, expected_candidates)
+    assert torch.equal(candidates, expected_candidates)
+    torch.testing.assert_close(lattice.scores, expected_scores.float(), rtol=1e-4, atol=1e-4)
+    assert torch.equal(tokens, expected_chain)
+    unary_argmax = expected_candidates[..., 0]
+    assert not torch.equal(tokens, unary_argmax)  # the pairwise scores changed some choice: they were checked
+
+
+def test_a_zero_successor_codebook_proposes_the_unary_argmax(published, target):
+    draft = DFlashForDrafting.from_pretrained(published).eval()
+    with torch.no_grad():
+        draft.candidate_selector.successor_codebook.zero_()
+        hidden = torch.randn(3, BLOCK - 1, HIDDEN) * 3
+        tokens, _, _ = draft.select_chain(hidden, target.get_output_embeddings(), torch.tensor([1, 2, 3]))
+        assert torch.equal(tokens, (hidden @ target.get_output_embeddings().weight.T).argmax(-1))
+
+
+def test_an_anchor_outside_the_draft_vocabulary_adds_no_pairwise_score(target):
+    draft = make_draft(target, block_size=BLOCK, draft_vocab_size=40, **SELECTOR)
+    draft.set_draft_vocabulary(torch.arange(0, 80, 2))
+    with torch.no_grad():
+        draft.candidate_selector.successor_codebook.normal_()
+        hidden = torch.randn(1, BLOCK - 1, HIDDEN)
+        head = target.get_output_embeddings()
+        outside = draft.selector_lattice(hidden, head, torch.tensor([3]))  # odd: not a draft token
+        inside = draft.selector_lattice(hidden, head, torch.tensor([4]))
+    assert draft.to_draft_ids(torch.tensor([3, 4, 78])).tolist() == [-1, 2, 39]
+    unary = draft.candidate_selector.unary_logits(draft.draft_logits(hidden, head)).topk(TOP_K).values
+    torch.testing.assert_close(outside.scores[0, 0, 0], unary[0, 0])
+    assert not torch.allclose(inside.scores[0, 0, 0], unary[0, 0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Conversion from v1, and the Hub files
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_converted_v1_drafter_proposes_what_v1_does(target):
+    v1 = make_draft(target, block_size=BLOCK)
+    with torch.no_grad():
+        for parameter in v1.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.2)
+    v2 = dflash2_from_dflash(v1, selector_rank=RANK, selector_top_k=TOP_K)
+    assert v2.config.variant == "dflash2" and v1.config.variant == "dflash"
+    prompt = torch.randint(0, VOCAB - 1, (1, 9))
+    out_v1 = speculative_generate(target, v1, prompt, max_new_tokens=24, optimize_cpu=False)
+    out_v2 = speculative_generate(target, v2, prompt, max_new_tokens=24, optimize_cpu=False)
+    assert out_v1.stats.acceptance_lengths == out_v2.stats.acceptance_lengths
+    embeds = target.get_input_embeddings()(torch.randint(0, VOCAB - 1, (2, BLOCK)))
+    context = torch.randn(2, 5, 2 * HIDDEN)
+    with torch.no_grad():
+        hidden_v1 = v1(noise_embeds=embeds, context_hidden_states=context).last_hidden_state
+        hidden_v2 = v2(noise_embeds=embeds, context_hidden_states=context).last_hidden_state
+        tokens, _, _ = v2.select_chain(hidden_v2[:, 1:], target.get_output_embeddings(), torch.tensor([1, 2]))
+    assert torch.equal(hidden_v1, hidden_v2)
+    assert torch.equal(tokens, v1.draft_logits(hidden_v1[:, 1:], target.get_output_embeddings()).argmax(-1))
+
+
+def test_a_v1_config_is_written_without_dflash2_fields(target, tmp_path):
+    make_draft(target).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert not {"variant", "selector_rank", "conv_group_size"} & set(config)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Losslessness
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def steered_dflash2(target, references, seed: int = 1, selector_scale: float = 0.6):
+    """An oracle drafter (unary logits favour the target's own continuation, 20% wrong) with a random selector that
+    overrules the unary argmax at some slots (more of them the larger `selector_scale`)."""
+    draft = make_oracle(target, references, p_wrong=0.2, block_size=6, seed=seed, **SELECTOR)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        selector = draft.candidate_selector
+        selector.predecessor_codebook.copy_(torch.randn(selector.predecessor_codebook.shape, generator=generator))
+        selector.successor_codebook.copy_(torch.randn(selector.successor_codebook.shape, generator=generator))
+        selector.hidden_projection.weight.mul_(selector_scale)
+    return draft
+
+
+def count_overruled_slots(draft) -> list[int]:
+    """Record, per `select_chain` call, how many slots the walk chose other than their best unary candidate."""
+    counts, select_chain = [], draft.select_chain
+
+    def spy(*args, **kwargs):
+        tokens, candidates, chain = select_chain(*args, **kwargs)
+        counts.append(int((tokens != candidates[..., 0]).sum()))
+        return tokens, candidates, chain
+
+    draft.select_chain = spy
+    return counts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculative_generate_is_lossless_on_a_ragged_batch(family):
+    target = make_target(family)
+    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11, 8)]
+    references = [greedy_reference(target, prompt, 30) for prompt in prompts]
+    ids, mask = left_pad(prompts)
+    draft = steered_dflash2(target, references)  # indexed by position, which counts a row's own tokens only
+    overruled = count_overruled_slots(draft)
+    out = speculative_generate(target, draft, ids, mask, max_new_tokens=30, optimize_cpu=False)
+    for row, reference in enumerate(references):
+        assert out.sequences[row, ids.shape[1] : ids.shape[1] + 30].tolist() == reference[-30:].tolist()
+    # the comparison covered accepted runs, and chains in which the selector overruled the unary argmax
+    assert max(out.stats.acceptance_lengths) >= 4 and sum(overruled) > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate_with_assistant_is_lossless(family, generator_spy):
+    target = make_target(family)
+    prompt = torch.randint(0, VOCAB - 1, (7,), generator=torch.Generator().manual_seed(3))
+    reference = greedy_reference(target, prompt, 30)
+    draft = steered_dflash2(target, [reference], selector_scale=2.0)  # one prompt: overrule more often
+    overruled = count_overruled_slots(draft)
+    out = target.generate(prompt[None], assistant_model=draft, do_sample=False, max_new_tokens=30)
+    assert out[0].tolist() == reference.tolist()
+    assert generator_spy == ["DFlashCandidateGenerator"] and sum(overruled) > 0
+
+
+def dflash2_sampling_draft(target, top_k: int = 3) -> DFlashForDrafting:
+    """A vague DFlash2 drafter over a 6-token vocabulary: q is zero outside each slot's 3 candidates."""
+    torch.manual_seed(7)
+    draft = DFlashForDrafting.from_target(
+        target,
+        num_hidden_layers=1,
+        block_size=4,
+        mask_token_id=5,
+        variant="dflash2",
+        selector_rank=4,
+        selector_top_k=top_k,
+        conv_group_size=8,
+    ).eval()
+    with torch.no_grad():
+        draft.norm.weight.mul_(0.05)
+        draft.candidate_selector.successor_codebook.normal_(0, 1.0)
+        draft.candidate_selector.predecessor_codebook.normal_(0, 1.0)
+    return draft
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("generation_kwargs", SETTINGS, ids=["plain", "temperature-topk-topp"])
+def test_sampling_with_the_selector_samples_the_target_distribution(family, generation_kwargs):
+    target = peaky_target(family)
+    draft = dflash2_sampling_draft(target)
+    exact = exact_joint(target, generation_kwargs)
+    torch.manual_seed(0)
+    out = speculative_generate(
+        target,
+        draft,
+        torch.tensor([[1, 4, 2, 0, 3]]).expand(6000, -1),
+        max_new_tokens=4,
+        optimize_cpu=False,
+        **generation_kwargs,
+    )
+    samples = [tuple(row) for row in out.sequences[:, 5:8].tolist()]
+    assert out.stats.histogram[1] > 0 and out.stats.histogram[3] > 0  # rejections and full acceptances
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+def test_generate_with_assistant_samples_with_the_selector():
+    target = peaky_target()
+    draft = dflash2_sampling_draft(target)
+    exact = exact_joint(target, SETTINGS[1])
+    torch.manual_seed(1)
+    assert chi_square_pvalue(samples_from_generate(target, draft, 1500, SETTINGS[1]), exact) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_hidden_size_the_groups_do_not_divide_is_refused():
+    with pytest.raises(ValueError, match="not divisible by conv_group_size 16"):
+        DFlashConfig(hidden_size=72, num_attention_heads=4, vocab_size=VOCAB, variant="dflash2")
+
+
+def test_more_candidates_than_the_draft_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="selector_top_k=64 must be between 1 and the draft vocabulary"):
+        DFlashConfig(
+            hidden_size=HIDDEN,
+            num_attention_heads=4,
+            vocab_size=VOCAB,
+            draft_vocab_size=32,
+            variant="dflash2",
+            selector_top_k=64,
+        )
+
+
+def test_an_unknown_variant_is_refused():
+    with pytest.raises(ValueError, match="variant must be one of"):
+        DFlashConfig(hidden_size=HIDDEN, num_attention_heads=4, vocab_size=VOCAB, variant="dflash3")
+
+
+@pytest.mark.parametrize("missing", ["candidate_selector.successor_codebook", "layers.1.mlp_conv.base_kernel"])
+def test_a_checkpoint_missing_dflash2_tensors_is_refused(tmp_path, missing):
+    (tmp_path / "config.json").write_text(json.dumps(published_config()))
+    tensors = published_tensors()
+    del tensors[missing]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"DFlash2 drafter but lacks its weights \\['{missing}'\\]"):
+        DFlashForDrafting.from_pretrained(tmp_path)
+
+
+def test_dflash2_weights_under_a_v1_config_are_refused(tmp_path):
+    config = published_config()
+    config["architectures"] = ["DFlashDraftModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(published_tensors(), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="holds DFlash2 weights"):
+        DFlashForDrafting.from_pretrained(tmp_path)
+
+
+def test_a_sample_from_anchor_checkpoint_is_refused(tmp_path):
+    config = published_config()
+    config["dflash_config"]["sample_from_anchor"] = True
+    with pytest.raises(ValueError, match="sample_from_anchor"):
+        DFlashConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+
+
+def test_transformers_native_path_is_refused_for_dflash2(target):
+    draft = make_draft(target, **SELECTOR)
+    with pytest.raises(ValueError, match="only hf-dflash's generator runs"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=draft, speculation_type="dflash", max_new_tokens=4)
+
+
+def test_trees_are_refused_for_dflash2(target):
+    draft = make_draft(target, **SELECTOR)
+    with pytest.raises(ValueError, match="DFlash2 drafter proposes its candidate selector's chain"):
+        speculative_generate(target, draft, torch.tensor([[1, 2, 3]]), max_new_tokens=4, tree=4, optimize_cpu=False)
+
+
+def test_a_v1_drafter_has_no_selector(target):
+    with pytest.raises(ValueError, match="no candidate selector"):
+        make_draft(target).select_chain(torch.zeros(1, 3, HIDDEN), target.get_output_embeddings(), torch.tensor([1]))
+
+
+def test_the_selector_conv_is_a_module_of_each_layer(target):
+    draft = make_draft(target, **SELECTOR)
+    assert all(isinstance(layer.attention_conv, DFlashSublayerConv) for layer in draft.layers)
+    assert all(layer.attention_conv is None for layer in make_draft(target).layers)
