@@ -13,14 +13,28 @@ import math
 
 import pytest
 import torch
-from helpers import FAMILIES, PAD, VOCAB, greedy_reference, left_pad, make_draft, make_oracle, make_target
+from datasets import Dataset
+from helpers import (
+    FAMILIES,
+    PAD,
+    VOCAB,
+    greedy_reference,
+    left_pad,
+    make_draft,
+    make_oracle,
+    make_target,
+    save_target_and_records,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_sampling import SETTINGS, chi_square_pvalue, exact_joint, peaky_target, samples_from_generate
+from test_training import _args, _regenerated
 
 from hf_dflash import DFlashConfig, DFlashForDrafting, speculative_generate
 from hf_dflash.model.selector_dflash import DFlashSublayerConv
+from hf_dflash.training import DFlashTrainer
 from hf_dflash.training.draft_init import dflash2_from_dflash
+from hf_dflash.training.loss import SelectorTerm, block_loss, selector_cross_entropy
 
 HIDDEN, RANK, TOP_K, BLOCK = 64, 8, 4, 4
 SELECTOR = {"variant": "dflash2", "selector_rank": RANK, "selector_top_k": TOP_K}
@@ -487,3 +501,111 @@ def test_the_selector_conv_is_a_module_of_each_layer(target):
     draft = make_draft(target, **SELECTOR)
     assert all(isinstance(layer.attention_conv, DFlashSublayerConv) for layer in draft.layers)
     assert all(layer.attention_conv is None for layer in make_draft(target).layers)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def loop_selector_loss(selector, hidden, logits, labels, predecessors):
+    """The K-way cross-entropy of each row's label among its top-K unary candidates, row by row (0 if absent)."""
+    losses = []
+    for row in range(hidden.shape[0]):
+        unary = selector.unary_logits(logits[row])
+        values, candidates = unary.topk(selector.top_k)
+        if int(labels[row]) not in candidates.tolist():
+            losses.append(torch.tensor(0.0))
+            continue
+        projected = selector.hidden_projection(hidden[row])
+        previous = selector.predecessor_codebook[int(predecessors[row])]
+        scores = torch.stack(
+            [
+                values[j] + (previous * projected * selector.successor_codebook[int(c)]).sum()
+                for j, c in enumerate(candidates)
+            ]
+        )
+        losses.append(-scores.log_softmax(-1)[candidates.tolist().index(int(labels[row]))])
+    return torch.stack(losses)
+
+
+def test_selector_cross_entropy_matches_the_loop(target):
+    draft = make_draft(target, **SELECTOR)
+    with torch.no_grad():
+        draft.candidate_selector.successor_codebook.normal_()
+    hidden = torch.randn(12, HIDDEN)
+    logits = draft.draft_logits(hidden, target.get_output_embeddings())
+    labels = logits.topk(6).indices[torch.arange(12), torch.arange(12) % 6]  # ranks 0..5: some outside the top 4
+    predecessors = torch.randint(0, VOCAB, (12,))
+    loss, found, picked = selector_cross_entropy(draft.candidate_selector, hidden, logits, labels, predecessors)
+    expected = loop_selector_loss(draft.candidate_selector, hidden, logits, labels, predecessors)
+    torch.testing.assert_close(loss, expected)
+    assert found.tolist() == [rank < TOP_K for rank in (torch.arange(12) % 6).tolist()]
+    assert (picked <= found).all()
+
+
+def test_the_dflash2_block_loss_is_the_v1_loss_plus_the_weighted_selector_term(target):
+    draft = make_draft(target, block_size=BLOCK, **SELECTOR)
+    with torch.no_grad():
+        draft.candidate_selector.successor_codebook.normal_()
+    hidden = torch.randn(2, 3 * BLOCK, HIDDEN)
+    labels = torch.randint(0, VOCAB, (2, 3 * BLOCK))
+    weights = torch.rand(2, 3 * BLOCK) * (torch.arange(3 * BLOCK) % BLOCK != 0)
+    predecessors = torch.randint(0, VOCAB, (2, 3 * BLOCK))
+    head = lambda states: draft.draft_logits(states, target.get_output_embeddings())  # noqa: E731
+    v1 = block_loss(hidden, head, labels, weights, BLOCK)
+    term = SelectorTerm(draft.candidate_selector, predecessors, weight=0.7)
+    v2 = block_loss(hidden, head, labels, weights, BLOCK, chunk_size=5, selector=term)
+    rows = weights.flatten() > 0
+    selector_loss, found, picked = selector_cross_entropy(
+        draft.candidate_selector, hidden.flatten(0, 1)[rows], head(hidden).flatten(0, 1)[rows],
+        labels.flatten()[rows], predecessors.flatten()[rows],
+    )  # fmt: skip
+    expected = v1.weighted_sum + 0.7 * (selector_loss * weights.flatten()[rows]).sum()
+    torch.testing.assert_close(v2.weighted_sum, expected)
+    assert torch.equal(v2.correct, v1.correct) and v2.in_candidates.sum() == found.sum()
+    assert v2.selector_correct.sum() == picked.sum()
+
+
+def test_a_dflash2_drafter_trains_logs_its_selector_and_saves(tmp_path):
+    target = make_target("llama")
+    records, prompts = _regenerated(target, num_sequences=4, new_tokens=40)
+    v1 = make_draft(target, block_size=8, num_hidden_layers=1)
+    draft = dflash2_from_dflash(v1, selector_rank=RANK, selector_top_k=TOP_K).train()
+    args = _args(tmp_path, max_steps=12, learning_rate=3e-3, logging_steps=4, real_acceptance_steps=6,
+                 save_strategy="steps", save_steps=12)  # fmt: skip
+    trainer = DFlashTrainer(
+        model=draft, target=target, args=args, train_dataset=Dataset.from_list(records), acceptance_prompts=prompts[:2]
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "sel_acc_1" in entry]
+    assert logs and all(
+        0 <= entry["sel_recall_1"] <= 1 and entry["sel_acc_1"] <= entry["sel_recall_1"] for entry in logs
+    )
+    assert logs[-1]["sel_tau"] >= 1.0
+    assert not torch.equal(
+        draft.candidate_selector.successor_codebook, torch.zeros_like(draft.candidate_selector.successor_codebook)
+    )
+    assert not torch.equal(draft.layers[0].attention_conv.kernel_projection.weight, torch.zeros(1))  # the convs train
+    info = json.loads((tmp_path / "out" / "checkpoint-12" / "training_info.json").read_text())
+    assert [entry["step"] for entry in info["training"]["selector_by_step"]] == [6, 12]
+    assert len(info["training"]["selector_by_step"][-1]["recall_at_k"]) == 7
+    reloaded = DFlashForDrafting.from_pretrained(tmp_path / "out" / "checkpoint-12")
+    assert reloaded.config.variant == "dflash2"
+
+
+def test_train_command_converts_a_v1_drafter(tmp_path):
+    from hf_dflash.cli import main
+
+    save_target_and_records(tmp_path, num_records=6, new_tokens=30)
+    start = make_draft(make_target("llama"), block_size=4, num_hidden_layers=1)
+    start.save_pretrained(tmp_path / "v1")
+    argv = ["train", "--data", str(tmp_path / "data.jsonl"), "--target", str(tmp_path / "target")]
+    argv += ["--init_draft", str(tmp_path / "v1"), "--variant", "dflash2", "--selector_rank", "8"]
+    argv += ["--selector_top_k", "4", "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--block_size", "4"]
+    argv += ["--acceptance_holdout", "2", "--report_to", "none", "--use_cpu", "true", "--save_strategy", "no"]
+    argv += ["--disable_tqdm", "true"]
+    assert main(argv) == 0
+    trained = DFlashForDrafting.from_pretrained(tmp_path / "out")
+    assert trained.config.variant == "dflash2" and trained.config.selector_rank == 8
+    assert trained.candidate_selector.successor_codebook.abs().sum() > 0  # two steps moved it from zero

@@ -13,7 +13,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from hf_dflash import DFlashForDrafting, loading, speculative_generate
 from hf_dflash.adapters import DRAFT_LORA_MODULES
-from hf_dflash.training.trainer import DFlashTrainer, DFlashTrainingArguments
+from hf_dflash.training import DFlashTrainer, DFlashTrainingArguments
 
 FAMILIES = ["llama", "qwen3", "mistral"]
 MAX_NEW = 24

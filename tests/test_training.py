@@ -17,6 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from hf_dflash import DFlashForDrafting, speculative_generate
 from hf_dflash.model_card import card_info_from_folder, render_model_card
+from hf_dflash.training.arguments import DFlashTrainingArguments
 from hf_dflash.training.collator import (
     IGNORE_INDEX,
     DataCollatorForDFlash,
@@ -26,13 +27,9 @@ from hf_dflash.training.collator import (
     flex_mask_mod,
     simulated_acceptance_length,
 )
-from hf_dflash.training.trainer import (
-    DFlashTrainer,
-    DFlashTrainingArguments,
-    block_loss,
-    draft_training_forward,
-    target_forward,
-)
+from hf_dflash.training.loss import block_loss, draft_training_forward
+from hf_dflash.training.target_features import target_forward
+from hf_dflash.training.trainer import DFlashTrainer
 
 B = 4
 MASK = PAD

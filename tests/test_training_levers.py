@@ -10,8 +10,10 @@ import pytest
 import torch
 from helpers import make_draft, make_target
 
+from hf_dflash.training.arguments import DFlashTrainingArguments
 from hf_dflash.training.draft_init import decoder_layers, initialize_draft_from_target
-from hf_dflash.training.trainer import DFlashTrainer, DFlashTrainingArguments, block_loss, expected_length_shares
+from hf_dflash.training.loss import block_loss, expected_length_shares
+from hf_dflash.training.trainer import DFlashTrainer
 
 B = 4
 

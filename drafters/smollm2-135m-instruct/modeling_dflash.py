@@ -287,12 +287,18 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         """Draft over these target token ids from now on, however many there are (`config.draft_vocab_size` follows).
 
         Nothing learned is lost: the LM head is the target's, so the rows are only a choice among its rows (a drafter
-        trained over 8,192 of them keeps its layers when it continues over 16,384).
+        trained over 8,192 of them keeps its layers when it continues over 16,384). A DFlash2 selector's codebook rows
+        move with their tokens; tokens new to the vocabulary start with zero rows (no pairwise score).
         """
+        old_ids = self.draft_token_ids
+        if old_ids is None:
+            old_ids = torch.arange(self.config.vocab_size, device=self.fc.weight.device)
         size = int(torch.as_tensor(target_ids).unique().numel())
         self.config.draft_vocab_size = size
         self.register_buffer("d2t", torch.zeros(size, dtype=torch.long, device=self.fc.weight.device))
         self.set_draft_vocabulary(target_ids)
+        if self.candidate_selector is not None:
+            self.candidate_selector.move_codebook_rows(old_ids, self.draft_token_ids)
 
     def draft_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """The target's LM head on draft hidden states `[..., H]` -> `[..., V_d]` logits over the draft vocabulary

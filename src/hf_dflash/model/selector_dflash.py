@@ -91,6 +91,17 @@ class DFlashCandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.zeros(vocabulary, config.selector_rank))
         self.successor_codebook = nn.Parameter(torch.zeros(vocabulary, config.selector_rank))
 
+    @torch.no_grad()
+    def move_codebook_rows(self, old_token_ids: torch.LongTensor, new_token_ids: torch.LongTensor) -> None:
+        """Re-index both codebooks from the draft vocabulary `old_token_ids` to `new_token_ids` (sorted target ids): a
+        token in both keeps its rows, a new one gets zero rows."""
+        index = torch.searchsorted(old_token_ids, new_token_ids).clamp(max=old_token_ids.shape[0] - 1)
+        kept = old_token_ids[index] == new_token_ids
+        for name in ("predecessor_codebook", "successor_codebook"):
+            old = getattr(self, name)
+            rows = old[index] * kept[:, None].to(old.dtype)  # [V_new, R]
+            setattr(self, name, nn.Parameter(rows, requires_grad=old.requires_grad))
+
     def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """`u = cap * tanh(z * output_multiplier / cap)` (no cap: `z * output_multiplier`), in fp32."""
         unary = logits.float() * self.output_multiplier

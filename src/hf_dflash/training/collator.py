@@ -124,7 +124,8 @@ class DataCollatorForDFlash:
 
     Returns tensors:
         input_ids, attention_mask `[b, T]`; anchor_positions, anchor_valid `[b, N]`;
-        noise_ids, labels, loss_weights `[b, N*B]`; position_ids `[b, T + N*B]` (context, then blocks);
+        noise_ids, labels, loss_weights `[b, N*B]`; predecessor_ids `[b, N*B]` (the target token before each slot,
+        for DFlash2's selector loss); position_ids `[b, T + N*B]` (context, then blocks);
         draft_attention_mask `[b, 1, N*B, T + N*B]` boolean when `dense_mask` (else build a flex mask on device),
         and draft_sliding_attention_mask (the same, windowed) when `sliding_window` is set.
     """
@@ -248,6 +249,8 @@ class DataCollatorForDFlash:
         context_positions = torch.arange(seq_len).expand(batch, -1)
         return {
             "noise_ids": noise_ids,
+            # the token before each slot (the anchor for slot 1): DFlash2's teacher-forced selector predecessor
+            "predecessor_ids": input_ids.gather(1, (block_positions - 1).clamp(min=0, max=seq_len - 1)),
             "position_ids": torch.cat([context_positions, block_positions], dim=1),
             "labels": torch.where(supervised, targets, IGNORE_INDEX),
             "loss_weights": self.slot_weights.repeat(self.num_anchors)[None] * supervised,

@@ -6,15 +6,17 @@ One step (arXiv:2602.06036; `N` anchors per sequence, `B` block size, `T` sequen
 2. draft: all `N` blocks `[x_a, MASK x (B-1)]` of a sequence in one forward, keys `[context (T) ; blocks (N*B)]`,
    with the collator's mask (context `t < a`, own block both ways) -> hidden `[b, N*B, H]`, the very forward that
    `speculative_generate` runs at inference (a test pins them together bit for bit);
-3. loss: the target's LM head on the supervised slots only, in chunks (memory does not grow with `N*B*V`), weighted
-   cross-entropy `sum w_k m_k CE_k / sum w_k m_k` normalised over the whole optimizer step (gradient accumulation and
-   data parallel: `num_items_in_batch` counts loss weights, not tokens); optionally mixed with a KL term against the
-   target's own distribution at the same position (`distill_weight`, over its top-k with `distill_top_k`), and with
-   slot weights aimed at the expected acceptance length (`acceptance_loss_weight`, `expected_length_shares`).
+3. loss (`hf_dflash.training.loss`): the target's LM head on the supervised slots only, weighted cross-entropy
+   `sum w_k m_k CE_k / sum w_k m_k` normalised over the whole optimizer step (gradient accumulation and data parallel:
+   `num_items_in_batch` counts loss weights, not tokens); optionally mixed with a KL term against the target's own
+   distribution (`distill_weight`, over its top-k with `distill_top_k`), with slot weights aimed at the expected
+   acceptance length (`acceptance_loss_weight`), and for a DFlash2 drafter plus the selector's K-way cross-entropy
+   (`selector_loss_weight`).
 
-A new drafter starts at random or from the target's own deepest layers (`draft_init`, `hf_dflash.training.draft_init`); the
-target's features (and top-k logits) can be computed once per training set (`cache_target_features`,
-`hf_dflash.training.target_features`), in memory or on disk.
+A new drafter starts at random or from the target's own deepest layers (`draft_init`, `hf_dflash.training.draft_init`);
+a DFlash2 drafter can start from a trained v1 drafter (`dflash2_from_dflash`). The target's features (and top-k
+logits) can be computed once per training set (`cache_target_features`, `hf_dflash.training.target_features`), in
+memory or on disk.
 
 The target is a teacher: never in the optimizer, never saved, kept in eval mode; the draft shares its frozen
 embedding and LM head. Checkpoints hold the draft only and are reloaded and compared after every save.
@@ -27,16 +29,12 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import PreTrainedModel, Trainer
 from transformers.utils import logging
 
 from hf_dflash.adapters import (
@@ -51,16 +49,13 @@ from hf_dflash.model.generation_dflash import check_draft_fits_target, pad_token
 from hf_dflash.model.modeling_dflash import DFlashForDrafting, DFlashLayouts
 from hf_dflash.model_card import write_training_info
 
-from .collator import (
-    DataCollatorForDFlash,
-    default_loss_decay_gamma,
-    flex_block_mask,
-    simulated_acceptance_length,
-)
+from .arguments import DFlashTrainingArguments
+from .callbacks import EpochAnchorsCallback, RealAcceptanceCallback
+from .collator import DataCollatorForDFlash, flex_block_mask, simulated_acceptance_length
 from .draft_init import initialize_draft_from_target
+from .loss import BlockLoss, SelectorTerm, block_loss, draft_training_forward, gather_at_slots
 from .target_features import (
     FEATURE_DTYPES,
-    STORAGES,
     TargetCache,
     build_target_cache,
     target_forward,
@@ -69,287 +64,7 @@ from .target_features import (
 
 logger = logging.get_logger(__name__)
 
-ATTENTION_BACKENDS = ("sdpa", "eager", "flex_attention")
-DRAFT_INITS = ("random", "target")
-
-
-@dataclass
-class DFlashTrainingArguments(TrainingArguments):
-    """`TrainingArguments` plus the DFlash settings. Defaults follow the public recipes that reproduced the paper
-    (AdamW, lr 6e-4, cosine, 4% warmup, no weight decay, clip 1.0) except epochs, which depend on the data size."""
-
-    block_size: int = field(default=16, metadata={"help": "Block size B: one anchor plus B-1 drafted tokens."})
-    num_draft_layers: int = field(default=1, metadata={"help": "Decoder layers of a new drafter (paper: 1 to 8)."})
-    num_anchors: int = field(
-        default=64, metadata={"help": "Random anchors (blocks) per sequence, re-drawn per epoch."}
-    )
-    loss_decay_gamma: float | None = field(
-        default=None,
-        metadata={"help": "gamma in w_k = exp(-(k-1)/gamma); default by block size (7 at 16, 5 at 10, 4 at 8)."},
-    )
-    target_layer_ids: list[int] | None = field(
-        default=None, metadata={"help": "Target layers whose outputs feed the draft; default: the paper's rule."}
-    )
-    mask_token_id: int | None = field(
-        default=None, metadata={"help": "Embedding row of the MASK token; default: hf_dflash.choose_mask_token_id."}
-    )
-    layer_types: list[str] | None = field(
-        default=None,
-        metadata={"help": "Per new draft layer, full_attention or sliding_attention (default: all full)."},
-    )
-    sliding_window: int | None = field(
-        default=None, metadata={"help": "Window of the sliding draft layers (recent context positions they see)."}
-    )
-    max_length: int = field(default=2048, metadata={"help": "Sequences are truncated to this many tokens."})
-    attention_backend: str = field(
-        default="sdpa", metadata={"help": f"Draft attention during training: one of {ATTENTION_BACKENDS}."}
-    )
-    distill_weight: float = field(
-        default=0.0,
-        metadata={
-            "help": "0: cross-entropy on the target's tokens; 1: KL to the target's distribution; between: mix."
-        },
-    )
-    acceptance_loss_weight: float = field(
-        default=0.0,
-        metadata={
-            "help": "0: position-decayed loss; 1: the expected-acceptance-length objective (each slot's loss weighted "
-            "by the expected accepted length it can still add, so its gradient is that of -E[tau]); between: mix."
-        },
-    )
-    draft_init: str = field(
-        default="random",
-        metadata={
-            "help": f"One of {DRAFT_INITS}: a new drafter's own random weights, or the target's deepest layers, "
-            "fc selecting the deepest tapped layer and the target's norms (hf_dflash.training.draft_init); 'target' "
-            "overwrites the weights of the drafter given to the trainer."
-        },
-    )
-    distill_top_k: int = field(
-        default=0,
-        metadata={
-            "help": "With distill_weight: the target's k most likely tokens over the draft vocabulary stand for its "
-            "distribution (renormalised), which cache_target_features can keep; 0: all its logits, online."
-        },
-    )
-    cache_target_features: bool = field(
-        default=False,
-        metadata={
-            "help": "Run the target once over the training set and keep its features (and top-k logits with "
-            "distill_top_k) in memory (fp32, 4 * n * H bytes per token) instead of one target forward per step; "
-            "for small targets and data."
-        },
-    )
-    target_features_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "With cache_target_features: also keep that cache in this folder, one file per sequence, so a "
-            "later run on the same target and tapped layers (a recipe's next stage) runs the target only on new ones."
-        },
-    )
-    target_features_storage: str = field(
-        default="memory",
-        metadata={
-            "help": "Where cache_target_features keeps the features while training: 'memory', or 'disk' (needs "
-            "target_features_dir; only paths in memory, each batch's rows read from their files), for training "
-            "sets whose features outgrow memory."
-        },
-    )
-    target_features_dtype: str = field(
-        default="float32",
-        metadata={"help": "Stored dtype of cached features: 'float32' or 'float16' (half the memory and disk)."},
-    )
-    lm_head_chunk_size: int = field(default=1024, metadata={"help": "Supervised slots per LM-head + loss chunk."})
-    real_acceptance_steps: int = field(
-        default=0, metadata={"help": "Every this many steps, measure the real tau with speculative_generate (0: off)."}
-    )
-    real_acceptance_max_new_tokens: int = field(default=64, metadata={"help": "Tokens per prompt for the real tau."})
-    save_zlab_layout: bool = field(
-        default=False, metadata={"help": "Also write the z-lab layout (vLLM, SGLang) into `<checkpoint>/zlab`."}
-    )
-    learning_rate: float = 6e-4
-    lr_scheduler_type: str = "cosine"
-    warmup_steps: float = 0.04
-    weight_decay: float = 0.0
-    remove_unused_columns: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be at least 2, got {self.block_size}.")
-        if not 1 <= self.num_draft_layers <= 64:
-            raise ValueError(f"num_draft_layers must be between 1 and 64, got {self.num_draft_layers}.")
-        if self.num_anchors < 1:
-            raise ValueError(f"num_anchors must be at least 1, got {self.num_anchors}.")
-        if self.loss_decay_gamma is None:
-            self.loss_decay_gamma = default_loss_decay_gamma(self.block_size)
-        if self.loss_decay_gamma <= 0:
-            raise ValueError(f"loss_decay_gamma must be positive, got {self.loss_decay_gamma}.")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
-        if not 0.0 <= self.distill_weight <= 1.0:
-            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}.")
-        if not 0.0 <= self.acceptance_loss_weight <= 1.0:
-            raise ValueError(f"acceptance_loss_weight must be in [0, 1], got {self.acceptance_loss_weight}.")
-        if self.draft_init not in DRAFT_INITS:
-            raise ValueError(f"draft_init must be one of {DRAFT_INITS}, got {self.draft_init!r}.")
-        if self.lm_head_chunk_size < 1 or self.max_length < 2:
-            raise ValueError("lm_head_chunk_size must be >= 1 and max_length >= 2.")
-        if self.distill_top_k < 0:
-            raise ValueError(f"distill_top_k must be >= 0, got {self.distill_top_k}.")
-        if self.cache_target_features and self.distill_weight > 0 and not self.distill_top_k:
-            raise ValueError(
-                "cache_target_features cannot keep all the target's logits for distillation: pass distill_top_k "
-                "(e.g. 32) to keep its top-k with the features, or drop cache_target_features."
-            )
-        if self.target_features_dir and not self.cache_target_features:
-            raise ValueError("target_features_dir keeps the cache of cache_target_features: pass both.")
-        if self.target_features_storage not in STORAGES:
-            raise ValueError(
-                f"target_features_storage must be one of {STORAGES}, got {self.target_features_storage!r}."
-            )
-        if self.target_features_storage == "disk" and not self.target_features_dir:
-            raise ValueError("target_features_storage='disk' reads the cache from target_features_dir: pass it.")
-        if self.target_features_dtype not in FEATURE_DTYPES:
-            raise ValueError(
-                f"target_features_dtype must be one of {list(FEATURE_DTYPES)}, got {self.target_features_dtype!r}."
-            )
-        if self.remove_unused_columns:
-            raise ValueError(
-                "DFlashTrainer needs remove_unused_columns=False (the draft's forward takes no input_ids)."
-            )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The training forward and loss (pure functions: the tests call them directly)
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def draft_training_forward(
-    draft: nn.Module, embed_tokens: nn.Module, features: torch.Tensor, batch: dict[str, Any], attention_mask: Any
-) -> torch.Tensor:
-    """All blocks of every sequence in one draft forward -> `[b, N*B, H]` (after the draft's final norm)."""
-    with torch.no_grad():
-        noise_embeds = embed_tokens(batch["noise_ids"])  # [b, N*B, H], frozen target embedding
-    out = draft(
-        noise_embeds=noise_embeds,
-        context_hidden_states=features,
-        position_ids=batch["position_ids"],
-        attention_mask=attention_mask,
-    )
-    return out.last_hidden_state
-
-
-@dataclass
-class BlockLoss:
-    """Summed weighted loss of a batch, and per-slot correct/supervised counts (`[B]`, slot 0 always 0)."""
-
-    weighted_sum: torch.Tensor
-    correct: torch.Tensor
-    supervised: torch.Tensor
-
-
-def block_loss(
-    hidden: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    labels: torch.Tensor,
-    loss_weights: torch.Tensor,
-    block_size: int,
-    chunk_size: int = 1024,
-    teacher_logits: torch.Tensor | None = None,
-    distill_weight: float = 0.0,
-    acceptance_weight: float = 0.0,
-    teacher_ids: torch.Tensor | None = None,
-) -> BlockLoss:
-    """`sum_k w_k * m_k * loss_k` over supervised slots, computed in checkpointed chunks of `chunk_size` slots.
-
-    `head` maps hidden states to logits over the draft vocabulary (`DFlashForDrafting.draft_logits` with the target's
-    LM head), whose indices `labels` use. `loss_k` is cross-entropy against `labels` (the target's tokens), or
-    `(1 - d) * CE + d * KL(p_target || q)` with `teacher_logits` (`[b, N*B, V]`, the target's logits for the same
-    token) and `d = distill_weight`; with `teacher_ids` (`[b, N*B, k]` draft-vocabulary indices) `teacher_logits` are
-    `[b, N*B, k]` logits of those tokens only, and `p_target` is their softmax (the top-k renormalised). With `a = acceptance_weight`, the weights become `(1 - a) * w_k + a * C_k`, where
-    `C_k` is slot k's share of the block's expected accepted length (`expected_length_shares`).
-    """
-    weights = loss_weights.flatten()
-    rows = torch.nonzero(weights > 0).flatten()  # only supervised slots reach the LM head
-    slots = rows % block_size
-    flat_hidden = hidden.flatten(0, 1)[rows]
-    flat_labels = labels.flatten()[rows]
-    flat_teacher = teacher_logits.flatten(0, 1)[rows] if teacher_logits is not None else None
-    flat_teacher_ids = teacher_ids.flatten(0, 1)[rows] if teacher_ids is not None else None
-    losses, label_probs = [], []  # per supervised row, in order
-    correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
-    for start in range(0, rows.shape[0], chunk_size):
-        part = slice(start, start + chunk_size)
-        teacher = flat_teacher[part] if flat_teacher is not None else None
-        ids = flat_teacher_ids[part] if flat_teacher_ids is not None else None
-        loss, prob, hits = checkpoint(
-            _chunk_loss, flat_hidden[part], head, flat_labels[part], teacher, distill_weight, ids, use_reentrant=False
-        )
-        losses.append(loss)
-        label_probs.append(prob)
-        correct += torch.bincount(slots[part][hits], minlength=block_size)
-    row_weights = weights[rows]
-    if acceptance_weight > 0:
-        shares = expected_length_shares(
-            torch.cat(label_probs) if label_probs else weights[:0], rows, weights.shape[0], block_size
-        )
-        row_weights = (1 - acceptance_weight) * row_weights + acceptance_weight * shares
-    weighted_sum = hidden.sum() * 0.0  # touches every trainable parameter even when nothing is supervised
-    if losses:
-        weighted_sum = weighted_sum + (torch.cat(losses) * row_weights).sum()
-    supervised = torch.bincount(slots, minlength=block_size)
-    return BlockLoss(weighted_sum, correct, supervised)
-
-
-@torch.no_grad()
-def expected_length_shares(
-    label_probs: torch.Tensor, rows: torch.Tensor, num_slots: int, block_size: int
-) -> torch.Tensor:
-    """`[rows]` weights `C_k = sum_{m >= k} prod_{j <= m} q_j` of supervised slots, `q_j` (`label_probs`) the draft's
-    probability of the target's token at slot j of the same block (0 at an unsupervised slot: nothing after it is
-    accepted).
-
-    A block's expected accepted length is `E = sum_m prod_{j <= m} q_j`, and `dE = sum_k C_k * d log q_k`: a
-    cross-entropy weighted by these (detached) `C_k` has exactly the gradient of `-E`, the acceptance-length objective
-    (the "LK" losses of SpecForge and NeMo Automodel aim at the same quantity). `rows` are the supervised slots'
-    indices among the `num_slots = b * N * B` slots.
-    """
-    accepted = torch.zeros(num_slots, dtype=torch.float32, device=label_probs.device)
-    accepted[rows] = label_probs.float()
-    accepted = accepted.view(-1, block_size)  # [blocks, B]
-    accepted[:, 0] = 1.0  # the anchor is the last verified token: given
-    prefix = accepted.cumprod(1)  # prod_{j <= m} q_j
-    shares = prefix.flip(1).cumsum(1).flip(1)  # sum_{m >= k} prefix_m
-    return shares.flatten()[rows].to(label_probs.dtype)
-
-
-def _chunk_loss(hidden, head, labels, teacher_logits, distill_weight, teacher_ids):
-    """Per row: the loss (CE, or CE mixed with the KL to the teacher), the draft's probability of the label
-    (detached), and whether its argmax is the label."""
-    logits = head(hidden).float()  # [rows, V_d]
-    loss = F.cross_entropy(logits, labels, reduction="none")
-    label_prob = (-loss).exp().detach()
-    if teacher_logits is not None and distill_weight > 0:
-        log_p = teacher_logits.float().log_softmax(-1)  # [rows, V_d], or [rows, k] over `teacher_ids`
-        log_q = logits.log_softmax(-1)
-        log_q = log_q if teacher_ids is None else log_q.gather(-1, teacher_ids)
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-        loss = (1 - distill_weight) * loss + distill_weight * kl
-    return loss, label_prob, logits.argmax(-1) == labels
-
-
-def gather_at_slots(per_position: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """`[b, T, X]` values of every position -> `[b, N*B, X]`: the values at the position that predicts each slot's
-    token (`a + k - 1`), e.g. the target's logits there."""
-    block_positions = batch["position_ids"][:, batch["input_ids"].shape[1] :]
-    source = (block_positions - 1).clamp(min=0, max=per_position.shape[1] - 1)
-    return per_position.gather(1, source[..., None].expand(-1, -1, per_position.shape[-1]))
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The trainer
-# ---------------------------------------------------------------------------------------------------------------------
+SLOT_COUNTS = ("correct", "supervised", "in_candidates", "selector_correct")  # per-slot counts summed between logs
 
 
 class DFlashTrainer(Trainer):
@@ -447,7 +162,8 @@ class DFlashTrainer(Trainer):
         self.measurement_cpu_s = 0.0  # this process's CPU seconds in measure_real_acceptance, to tell from training
         self.training_info = copy.deepcopy(training_info or {})  # the real-tau callback appends to nested lists
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(int), "eval": defaultdict(int)}
-        self.add_callback(_EpochAnchorsCallback(data_collator))
+        self.selector_metrics: dict[str, list[float]] = {}  # DFlash2: per-slot recall@K and accuracy, last log
+        self.add_callback(EpochAnchorsCallback(data_collator))
         if args.real_acceptance_steps and self.acceptance_prompts:
             self.add_callback(RealAcceptanceCallback(self, args.real_acceptance_steps))
 
@@ -475,11 +191,12 @@ class DFlashTrainer(Trainer):
             inputs["labels"],
             inputs["loss_weights"],
             draft.config.block_size,
-            self.args.lm_head_chunk_size,
-            teacher[0],
-            self.args.distill_weight,
-            self.args.acceptance_loss_weight,
+            chunk_size=self.args.lm_head_chunk_size,
+            teacher_logits=teacher[0],
+            distill_weight=self.args.distill_weight,
+            acceptance_weight=self.args.acceptance_loss_weight,
             teacher_ids=teacher[1],
+            selector=self._selector_term(draft, inputs),
         )
         denominator = num_items_in_batch if num_items_in_batch is not None else inputs["loss_weights"].sum()
         loss = result.weighted_sum / torch.as_tensor(denominator, device=hidden.device).clamp(min=1e-6)
@@ -487,6 +204,13 @@ class DFlashTrainer(Trainer):
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._record(result, "train" if model.training else "eval")
         return (loss, {"hidden": hidden}) if return_outputs else loss
+
+    def _selector_term(self, draft: DFlashForDrafting, inputs: dict[str, Any]) -> SelectorTerm | None:
+        """DFlash2's selector loss inputs (None for a v1 drafter)."""
+        if draft.candidate_selector is None:
+            return None
+        predecessors = draft.to_draft_ids(inputs["predecessor_ids"])  # target ids of each slot's true previous token
+        return SelectorTerm(draft.candidate_selector, predecessors, self.args.selector_loss_weight)
 
     def _cached_target(self, inputs: dict[str, Any], distill: bool) -> tuple[torch.Tensor, tuple]:
         """`[b, T, n*H]` cached features of the batch's rows, and the cached teacher at each slot (top-k logits and
@@ -540,29 +264,46 @@ class DFlashTrainer(Trainer):
 
     def _record(self, result: BlockLoss, mode: str) -> None:
         metrics = self._metrics[mode]
-        metrics["correct"] = metrics["correct"] + result.correct.detach()
-        metrics["supervised"] = metrics["supervised"] + result.supervised.detach()
+        for name in SLOT_COUNTS:
+            if getattr(result, name) is not None:
+                metrics[name] = metrics[name] + getattr(result, name).detach()
 
-    def slot_accuracy(self, mode: str = "train") -> list[float]:
-        """Accuracy of slots 1..B-1 since the last log (NaN for a slot that was never supervised)."""
+    def slot_accuracy(self, mode: str = "train", count: str = "correct") -> list[float]:
+        """Share of supervised slots 1..B-1 since the last log that are `count` (`"correct"`: the argmax is the label;
+        DFlash2: `"in_candidates"`, `"selector_correct"`); NaN for a slot never supervised, [] before any step."""
         metrics = self._metrics[mode]
-        if isinstance(metrics["supervised"], int):
+        if isinstance(metrics["supervised"], int) or isinstance(metrics[count], int):
             return []
-        correct = self.accelerator.reduce(metrics["correct"], reduction="sum")
+        hits = self.accelerator.reduce(metrics[count], reduction="sum")
         supervised = self.accelerator.reduce(metrics["supervised"], reduction="sum")
-        return [c / s if s else math.nan for c, s in zip(correct[1:].tolist(), supervised[1:].tolist())]
+        return [c / s if s else math.nan for c, s in zip(hits[1:].tolist(), supervised[1:].tolist())]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add per-slot accuracy `acc_k` and the simulated acceptance length `sim_tau` to the usual logs."""
+        """Add per-slot accuracy `acc_k` and the simulated acceptance length `sim_tau` to the usual logs; for DFlash2
+        the selector's per-slot recall@K `sel_recall_k` and teacher-forced accuracy `sel_acc_k`, and `sel_tau`, the
+        acceptance length those accuracies simulate."""
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         accuracy = self.slot_accuracy(mode)
         if accuracy and ("loss" in logs or "eval_loss" in logs):
             prefix = "eval_" if mode == "eval" else ""
             logs[f"{prefix}acc_1"] = accuracy[0]
-            logs[f"{prefix}acc_mean"] = sum(a for a in accuracy if not math.isnan(a)) / max(len(accuracy), 1)
+            logs[f"{prefix}acc_mean"] = _mean(accuracy)
             logs[f"{prefix}sim_tau"] = simulated_acceptance_length(accuracy)
+            logs |= self._selector_logs(mode, prefix)
             self._metrics[mode] = defaultdict(int)
         super().log(logs, start_time)
+
+    def _selector_logs(self, mode: str, prefix: str) -> dict[str, float]:
+        recall, picked = self.slot_accuracy(mode, "in_candidates"), self.slot_accuracy(mode, "selector_correct")
+        if not recall:
+            return {}
+        self.selector_metrics = {
+            "recall_at_k": [round(r, 4) for r in recall],
+            "accuracy": [round(a, 4) for a in picked],
+        }
+        logs = {f"{prefix}sel_recall_{k}": r for k, r in enumerate(recall, start=1)}
+        logs |= {f"{prefix}sel_acc_{k}": a for k, a in enumerate(picked, start=1)}
+        return logs | {f"{prefix}sel_acc_mean": _mean(picked), f"{prefix}sel_tau": simulated_acceptance_length(picked)}
 
     # -- real acceptance -----------------------------------------------------------------------------------------------
 
@@ -701,56 +442,10 @@ def verify_saved_draft(
     return reloaded
 
 
-class _EpochAnchorsCallback(TrainerCallback):
-    """Re-draw the collator's anchors at every epoch."""
-
-    def __init__(self, collator: Any):
-        self.collator = collator
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        if hasattr(self.collator, "set_epoch"):
-            self.collator.set_epoch(int(state.epoch or 0))
+def _mean(values: list[float]) -> float:
+    """Mean over the slots that were supervised (NaN entries left out)."""
+    kept = [value for value in values if not math.isnan(value)]
+    return sum(kept) / max(len(kept), 1)
 
 
-class RealAcceptanceCallback(TrainerCallback):
-    """Every `every_n_steps` optimizer steps (and at the end), log the real acceptance length `real_tau`."""
-
-    def __init__(self, trainer: DFlashTrainer, every_n_steps: int):
-        self.trainer = trainer
-        self.every_n_steps = every_n_steps
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        # A run resumed from a checkpoint starts with that checkpoint's log history: carry the taus measured before
-        # the interruption into the training info (the card's history), as the uninterrupted run has them.
-        history = [[entry["step"], round(entry["real_tau"], 3)] for entry in state.log_history if "real_tau" in entry]
-        if history:
-            self.trainer.training_info.setdefault("training", {})["held_out_tau_by_step"] = history
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every_n_steps == 0:
-            self._measure()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every_n_steps != 0:
-            self._measure()
-
-    def _measure(self) -> None:
-        metrics = self.trainer.measure_real_acceptance()
-        training = self.trainer.training_info.setdefault("training", {})
-        training.setdefault("held_out_tau_by_step", []).append(
-            [self.trainer.state.global_step, round(metrics["real_tau"], 3)]
-        )
-        self.trainer.log(metrics)
-
-
-__all__ = [
-    "BlockLoss",
-    "DFlashTrainer",
-    "DFlashTrainingArguments",
-    "RealAcceptanceCallback",
-    "block_loss",
-    "draft_training_forward",
-    "expected_length_shares",
-    "gather_at_slots",
-    "verify_saved_draft",
-]
+__all__ = ["DFlashTrainer", "verify_saved_draft"]
