@@ -1,5 +1,5 @@
-"""Fine-tune a target with a LoRA so that what it says really shifts: the "fine-tuned target" of README "Fine-tuned
-targets", whose drafter then has to be adapted.
+"""Fine-tune a target with a LoRA so that what it says really shifts: the "fine-tuned target" of
+docs/fine-tuned-targets.md, whose drafter then has to be adapted.
 
 Two styles (`--style`), each applied to the target's own answers (`hf-dflash data` records of the base target), so
 the fine-tune changes the style and nothing else; the loss is on the response tokens only:
@@ -15,7 +15,7 @@ the fine-tune changes the style and nothing else; the loss is on the response to
 
 The first telegram version closed sentences with " STOP", which SmolLM2 spells as two tokens (" ST", "OP") outside
 the committed drafter's 8,192-token draft vocabulary: no adaptation that keeps that vocabulary can ever propose them
-(README "Fine-tuned targets"). " stop" is one token inside it, and so are SmolLM2's two-space indentation tokens.
+(benchmarks/notes/2026-12-01-fine-tuned-targets.md). " stop" is one token inside it, and so are SmolLM2's two-space indentation tokens.
 
 It saves the adapter (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer) in `--save_dtype`, naming
 `--base_model_id` as its base (the committed one: `--save_dtype float16 --base_model_id

@@ -1,5 +1,5 @@
 """The package's layout: dependencies run one way (`model` at the bottom, `cli` at the top), no import circle, and
-the README's layout section names every folder that exists."""
+the Layout section of docs/architecture.md names every folder that exists."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_every_unit_has_a_floor():
     units = {unit_of(module) for module in import_graph()}
-    assert units == set(FLOORS), "add the new folder or module to FLOORS (and to the README's layout section)"
+    assert units == set(FLOORS), "add the new folder or module to FLOORS (and to docs/architecture.md's Layout)"
 
 
 def test_imports_run_down_the_floors_only():
@@ -112,14 +112,14 @@ def test_the_hub_files_import_only_each_other():
         assert "from .." not in path.read_text() and "import hf_dflash" not in path.read_text()
 
 
-def test_the_readme_layout_section_names_every_folder():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Layout") :]
+def test_the_architecture_page_names_every_folder():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    section = page[page.index("## Layout") :]
     section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
     folders = {p.relative_to(ROOT).as_posix() + "/" for p in _folders()}
     named = set(re.findall(r"^\s*([\w./-]+/)\s", section, flags=re.M))
-    assert folders - named == set(), "README.md's ## Layout lacks these folders"
-    assert named - folders == set(), "README.md's ## Layout names folders that do not exist"
+    assert folders - named == set(), "docs/architecture.md's ## Layout lacks these folders"
+    assert named - folders == set(), "docs/architecture.md's ## Layout names folders that do not exist"
 
 
 def _folders() -> list[Path]:

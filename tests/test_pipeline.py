@@ -1,5 +1,5 @@
 """A user's own target, end to end: `hf-dflash data`, `train`, `bench` and `card` on a model folder, each command in its
-own process with `--target <folder> --device cpu`, as the README's "Your own model" section runs them.
+own process with `--target <folder> --device cpu`, as docs/training.md's "From your model to a drafter" runs them.
 
 The target is a tiny random Llama saved with a real tokenizer (SmolLM2's, with its chat template), so every command
 meets what a user's folder holds. Marked slow: four fresh processes (about a minute on 2 cores)."""

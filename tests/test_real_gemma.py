@@ -25,7 +25,7 @@ def test_committed_gemma_drafter_is_lossless_and_accepts_more_than_one_token(gem
     """Greedy output identical to plain `generate` through `speculative_generate` (whole block and planned) and
     `generate(assistant_model=draft)`, on the first 2 GSM8K prompts and the first HumanEval prompt, raw text as the
     base model reads them; whole-block tau above an untrained drafter's 1.0 (1.17 on these prompts at 40 tokens; the
-    committed drafter is weak, see benchmarks/README.md, "A second family")."""
+    committed drafter is weak, see benchmarks/notes/2026-12-01-gemma3-270m.md)."""
     from hf_dflash.loading import committed_drafter
 
     folder = committed_drafter("gemma3-270m")

@@ -116,7 +116,7 @@ def test_committed_drafter_exports_the_real_target_heads_draft_rows(smollm2, tmp
 
 
 def test_committed_target_adapter_shifts_smollm2_and_the_drafter_adapter_decodes_it_losslessly(smollm2):
-    """The fine-tune of README "Fine-tuned targets" (benchmarks/results/peft/telegraph-stop-target-lora) really changes what
+    """The fine-tune of docs/fine-tuned-targets.md (benchmarks/results/peft/telegraph-stop-target-lora) really changes what
     SmolLM2 says (its telegram " stop"), and the committed drafter adapter decodes the fine-tuned target token for
     token, unmerged as a ``PeftModel`` and merged."""
     from hf_dflash.loading import load_draft, load_target_and_tokenizer

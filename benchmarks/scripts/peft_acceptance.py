@@ -1,4 +1,5 @@
-"""Acceptance of drafters on a target and on its fine-tuned version: README "Fine-tuned targets".
+"""Acceptance of drafters on a target and on its fine-tuned version (docs/fine-tuned-targets.md; the measurements:
+benchmarks/notes/2026-12-01-fine-tuned-targets.md).
 
 For each (target, drafter) pair it runs greedy `speculative_generate` verifying the whole block every round (so tau
 is the drafter's acceptance, free of the planner and of timing) on the first prompts of GSM8K, HumanEval and MT-Bench,
