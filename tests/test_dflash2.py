@@ -609,3 +609,37 @@ def test_train_command_converts_a_v1_drafter(tmp_path):
     trained = DFlashForDrafting.from_pretrained(tmp_path / "out")
     assert trained.config.variant == "dflash2" and trained.config.selector_rank == 8
     assert trained.candidate_selector.successor_codebook.abs().sum() > 0  # two steps moved it from zero
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Serving exports
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_full_vocabulary_export_writes_the_codebooks_by_target_id(target, tmp_path):
+    draft = make_draft(target, block_size=BLOCK, draft_vocab_size=40, **SELECTOR)
+    draft.set_draft_vocabulary(torch.arange(0, 80, 2))
+    with torch.no_grad():
+        draft.candidate_selector.successor_codebook.normal_()
+    draft.save_pretrained(tmp_path, layout="z-lab", full_vocabulary=True)
+    with safe_open(tmp_path / "model.safetensors", "pt") as weights:
+        assert "d2t" not in weights.keys()
+        for name in ("predecessor_codebook", "successor_codebook"):
+            written = weights.get_tensor(f"candidate_selector.{name}")
+            ours = getattr(draft.candidate_selector, name).detach()
+            assert written.shape == (VOCAB, RANK)
+            assert torch.equal(written[0:80:2], ours) and not written[1:80:2].any() and not written[80:].any()
+    reloaded = DFlashForDrafting.from_pretrained(tmp_path)  # a full-vocabulary DFlash2 drafter
+    assert reloaded.config.draft_vocab_size is None and reloaded.config.variant == "dflash2"
+
+
+def test_openvino_and_vllm_exports_say_what_dflash2_needs(target, tmp_path):
+    from hf_dflash.engines import openvino
+    from hf_dflash.engines.export import export_for_engine
+
+    draft = make_draft(target, block_size=BLOCK, **SELECTOR)
+    assert "DFlash2 drafter" in openvino.unsupported_draft_reason(draft.config)
+    recipe = export_for_engine(draft, target, "vllm", tmp_path / "vllm", target_id="org/target")
+    assert "V2 model runner" in recipe.settings["dflash2"]
+    written = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert written["architectures"] == ["DFlash2DraftModel"]

@@ -156,7 +156,8 @@ def warn_about_zlab_readers(config: DFlashConfig, full_vocabulary: bool) -> None
         logger.warning(
             f"z-lab DFlash2 export with a reduced draft vocabulary ({config.draft_vocab_size} tokens): the selector's "
             "codebooks are written over the draft ids, which only hf-dflash reads; the DFlash2 engines index them by "
-            "target token id. Export with `full_vocabulary=True` for vLLM, SGLang and llama.cpp."
+            "target token id. Export with `full_vocabulary=True` for vLLM and SGLang; `hf-dflash export --engine "
+            "llama.cpp` rewrites them by target id."
         )
     if config.draft_vocab_size is not None and not full_vocabulary:
         logger.warning(

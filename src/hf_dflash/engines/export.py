@@ -89,9 +89,18 @@ def export_for_engine(
         head_source = None if full_vocabulary else target  # the reduced head's rows come from the target's head
         draft.save_pretrained(output, layout="z-lab", target=head_source, full_vocabulary=full_vocabulary)
         command = _zlab_command(engine, target_id, output, block_size)
-        recipe = ServingRecipe(engine, str(output), block_size, layers, [command], tested_here=False)
+        settings = {"dflash2": DFLASH2_READERS[engine]} if draft.config.variant == "dflash2" else {}
+        recipe = ServingRecipe(engine, str(output), block_size, layers, [command], False, settings)
     recipe.write(output)
     return recipe
+
+
+# What each engine needs to serve a DFlash2 export (DFlash2DraftModel) with its selector, from the engines' public code.
+DFLASH2_READERS = {
+    "vllm": "vLLM reads DFlash2DraftModel in its V2 model runner only; the V1 runner serves it as DFlash without the "
+    "selector",
+    "sglang": "SGLang reads DFlash2DraftModel with its DFlash algorithm and walks the selector's chain",
+}
 
 
 def _openvino_command(folder: Path, block_size: int) -> str:

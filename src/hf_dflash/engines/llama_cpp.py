@@ -9,7 +9,9 @@ own programs, so what is measured is what a user of llama.cpp gets:
   `gguf-py`). The z-lab export with a reduced draft vocabulary (`d2t` + the head's rows) is labelled
   `DSparkDraftModel`, the converter class that maps `d2t` (written as absolute ids, which llama.cpp's DFlash runtime
   reads); its `DFlashModel` class refuses `d2t`. With `full_vocabulary=True` it stays `DFlashDraftModel` and borrows
-  the target's head at run time. A target whose llama.cpp graph does not record layer inputs (the hidden states
+  the target's head at run time. A DFlash2 drafter's selector codebooks go out indexed by target token id (`[V, R]`,
+  zero rows outside a reduced draft vocabulary), as llama.cpp's DFlash2 graph reads them. A target whose llama.cpp
+  graph does not record layer inputs (the hidden states
   DFlash conditions on) is refused before anything is written, naming the graph file.
 - `run_speculative` runs `llama-speculative-simple --spec-type draft-dflash` (or a draft-free method) on one prompt and reads back the text, the
   speed and llama.cpp's mean accepted length (tokens per target step, our tau); `run_plain` runs `llama-simple`
@@ -130,6 +132,8 @@ def export_draft_gguf(
         reduced = "d2t" in _tensor_names(folder)
         if reduced:
             _relabel(folder / "config.json", "DSparkDraftModel")  # the converter class that maps d2t
+            if draft.config.variant == "dflash2":
+                _codebooks_over_vocabulary(folder / "model.safetensors", draft)
         with atomic_path(output) as partial:
             _convert(llama_cpp, folder, Path(target_folder), partial, outtype)
     logger.info(f"Wrote {output} ({'reduced' if reduced else 'full'} draft vocabulary)")
@@ -144,6 +148,18 @@ def _tensor_names(folder: Path) -> set[str]:
         with safe_open(part, "pt") as file:
             names |= set(file.keys())
     return names
+
+
+def _codebooks_over_vocabulary(weights_path: Path, draft: PreTrainedModel) -> None:
+    """Rewrite a reduced-vocabulary DFlash2 export's codebooks `[V_d, R]` as `[V, R]` indexed by target id."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_dflash.model.layouts_dflash import SELECTOR_CODEBOOKS, codebook_over_vocabulary
+
+    tensors = load_file(weights_path)
+    for name in SELECTOR_CODEBOOKS:
+        tensors[name] = codebook_over_vocabulary(tensors[name], draft.draft_token_ids.cpu(), draft.config)
+    save_file(tensors, str(weights_path), metadata={"format": "pt"})
 
 
 def _relabel(config_path: Path, architecture: str) -> None:

@@ -78,6 +78,11 @@ def unsupported_draft_reason(config) -> str | None:
     """Why OpenVINO GenAI would run this drafter differently from how it was trained, or `None` when it would not.
 
     `config` is the drafter's `DFlashConfig`."""
+    if getattr(config, "variant", "dflash") == "dflash2":
+        return (
+            "it is a DFlash2 drafter, and GenAI's DFlash pipeline has neither its sublayer convolutions nor its "
+            "candidate selector (export it for llama.cpp, vLLM or SGLang)"
+        )
     scale = config.input_embedding_scale
     if scale not in (None, 1.0):
         return (
