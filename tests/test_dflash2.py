@@ -643,3 +643,19 @@ def test_openvino_and_vllm_exports_say_what_dflash2_needs(target, tmp_path):
     assert "V2 model runner" in recipe.settings["dflash2"]
     written = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert written["architectures"] == ["DFlash2DraftModel"]
+
+
+def test_the_card_of_a_dflash2_drafter_names_its_architecture_and_what_serves_it(target, tmp_path):
+    from hf_dflash.model_card import card_info_from_folder, render_model_card
+
+    draft = make_draft(target, block_size=BLOCK, **SELECTOR)
+    for layout in ("hf-dflash", "z-lab"):
+        folder = tmp_path / layout
+        draft.save_pretrained(folder, layout=layout, **({"target": target} if layout == "z-lab" else {}))
+        (folder / "training_info.json").write_text(json.dumps({
+            "base_model": "org/target",
+            "training": {"selector_by_step": [{"step": 6, "recall_at_k": [0.9, 0.8], "accuracy": [0.7, 0.5]}]},
+        }))  # fmt: skip
+        card = str(render_model_card(card_info_from_folder(folder)))
+        assert '"DFlash2DraftModel"' in card and "VLLM_USE_V2_MODEL_RUNNER=1" in card
+        assert "step 6: 0.90/0.70 0.80/0.50" in card

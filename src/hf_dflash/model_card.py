@@ -21,7 +21,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from transformers.utils import logging
 
 from hf_dflash.model.configuration_dflash import DFlashConfig
-from hf_dflash.model.modeling_dflash import detect_layout
+from hf_dflash.model.layouts_dflash import config_dict_from_layout, detect_layout
 
 from .adapters import ADAPTER_CONFIG_FILE, base_drafter_config, is_adapter_folder
 from .atomic_files import write_text_atomic
@@ -53,6 +53,7 @@ TRAINING_LABELS = {
     "resumed_from_step": "Resumed from step (wall and CPU time count from there)",
     "machine": "Machine",
     "held_out_tau_by_step": "Held-out tau during training",
+    "selector_by_step": "DFlash2 selector during training (training batches, per slot: recall@K / accuracy)",
     "trainable_parameters": "Trainable parameters (the adapter)",
     "drafter_parameters": "Frozen parameters (the base drafter)",
 }
@@ -93,6 +94,7 @@ class DrafterCardInfo:
     draft_vocab_size: int | None = None
     layer_types: list[str] = field(default_factory=list)
     causal_sliding_attention: bool = False
+    variant: str = "dflash"  # "dflash2": convolutions and a candidate selector (DFlash2DraftModel)
     input_embedding_scale: float | None = None
     training: dict[str, Any] = field(default_factory=dict)
     acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -139,6 +141,7 @@ def render_model_card(info: DrafterCardInfo) -> ModelCard:
         target_layers_text=("layer " if len(info.target_layer_ids) == 1 else "layers ")
         + ", ".join(str(i) for i in info.target_layer_ids),
         layout=info.layout,
+        variant=info.variant,
         zlab_subfolder=info.zlab_subfolder,
         local_dir=local_dir,
         serve_model=serve_model,
@@ -204,6 +207,7 @@ def card_info_from_folder(folder: str | os.PathLike, **overrides: Any) -> Drafte
         "layer_types": list(config.layer_types),
         "causal_sliding_attention": config.causal_sliding_attention,
         "input_embedding_scale": config.input_embedding_scale,
+        "variant": config.variant,
     }
     if layout == ADAPTER_LAYOUT:
         values["adapter"] = _adapter_settings(folder)
@@ -264,9 +268,8 @@ def _drafter_config(folder: Path) -> tuple[DFlashConfig, str]:
         raise FileNotFoundError(f"{folder} has no config.json; is it a saved DFlash drafter?")
     config_dict = json.loads(config_path.read_text())
     layout = detect_layout(config_dict)
-    for name in ("model_type", "architectures", "auto_map", "transformers_version"):
-        config_dict.pop(name, None)
-    return DFlashConfig(**config_dict), layout  # lifts z-lab's nested `dflash_config`, fills defaults as loading would
+    # lifts z-lab's nested `dflash_config` and reads DFlash2 from its architecture, as loading does
+    return DFlashConfig(**config_dict_from_layout(config_dict, layout)), layout
 
 
 def _adapter_settings(folder: Path) -> dict[str, Any]:
@@ -287,6 +290,13 @@ def _serving_notes(info: DrafterCardInfo) -> list[str]:
     """What each serving engine reads of this drafter, where one reads it differently from how it was trained (rules
     read from the engines' loaders: vLLM `qwen3_dflash.py`, SGLang `models/dflash.py`, llama.cpp `conversion/qwen.py`)."""
     notes = []
+    if info.variant == "dflash2":
+        notes.append(
+            "**DFlash2** (`DFlash2DraftModel`: sublayer convolutions and a candidate selector). vLLM runs its selector "
+            "only with the V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`; the V1 runner serves it as DFlash without "
+            "the selector); llama.cpp reads it through `hf-dflash export --engine llama.cpp`; OpenVINO GenAI does not "
+            "run DFlash2."
+        )
     if info.draft_vocab_size is not None:
         of_vocab = f" of {info.vocab_size}" if info.vocab_size else ""
         notes.append(
@@ -354,8 +364,15 @@ def _training_rows(info: DrafterCardInfo) -> list[tuple[str, str]]:
             value = "none (prompts as raw text: a base model)"
         elif key == "held_out_tau_by_step":
             value = ", ".join(f"step {step}: {float(tau):.2f}" for step, tau in value)
+        elif key == "selector_by_step":
+            value = "; ".join(_selector_text(entry) for entry in value)
         rows.append((label, _cell(value)))
     return rows
+
+
+def _selector_text(entry: dict[str, Any]) -> str:
+    pairs = zip(entry["recall_at_k"], entry["accuracy"])
+    return f"step {entry['step']}: " + " ".join(f"{recall:.2f}/{accuracy:.2f}" for recall, accuracy in pairs)
 
 
 def _acceptance_rows(acceptance: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, str]]:
