@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import make_draft, make_target
 
-from hf_dflash import cli, loading
+from hf_dflash import cli, loading, offline
 from hf_dflash.bench import paths
 from hf_dflash.cli import train
 
@@ -49,11 +49,11 @@ def test_train_gets_its_flags_as_given_and_other_commands_refuse_unknown_ones(mo
 
 
 def test_committed_drafter_is_found_in_the_checkout_and_not_in_an_install(monkeypatch, tmp_path):
-    assert loading.committed_drafter("smollm2-135m-instruct") == str(REPOSITORY / "drafters" / "smollm2-135m-instruct")
-    assert loading.committed_drafter("no-such-target") is None
-    installed = tmp_path / "lib" / "python3" / "site-packages" / "hf_dflash" / "loading.py"
-    monkeypatch.setattr(loading, "__file__", str(installed))
-    assert loading.committed_drafter("smollm2-135m-instruct") is None
+    assert offline.committed_drafter("smollm2-135m-instruct") == str(REPOSITORY / "drafters" / "smollm2-135m-instruct")
+    assert offline.committed_drafter("no-such-target") is None
+    installed = tmp_path / "lib" / "python3" / "site-packages" / "hf_dflash" / "offline.py"
+    monkeypatch.setattr(offline, "__file__", str(installed))
+    assert offline.committed_drafter("smollm2-135m-instruct") is None
 
 
 def test_demo_without_a_drafter_says_how_to_name_one_before_loading(monkeypatch, capsys):

@@ -7,15 +7,14 @@ CPU) in one dtype (``dtype``; default: bfloat16 on an accelerator, float32 on th
 implementation asked for, in eval mode; its tokenizer pads on the left. The drafter (a folder or a Hub id) is then
 moved to the target's device and dtype and checked against the target.
 
-``TargetArguments`` holds those choices with the help text of their flags: `hf-dflash train` parses it with
-``HfArgumentParser``, the other commands add the same flags to their own parsers, so every command spells them
-the same way.
+``TargetArguments`` (``hf_dflash.arguments``, re-exported here) holds those choices with the help text of their flags,
+and ``check_model_name`` the rules of naming a model, so that the command line checks a name before torch loads.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -33,48 +32,13 @@ from hf_dflash.model.generation_dflash import check_draft_fits_target
 from hf_dflash.model.modeling_dflash import DFlashForDrafting
 
 from .adapters import is_adapter_folder, load_draft_adapter, read_base_drafter_record
+from .arguments import DEFAULT_TARGET, DTYPE_NAMES, FOLDER, PACKAGED, TargetArguments, check_model_name, is_path_like
+from .offline import committed_drafter as committed_drafter  # re-exported: it used to live here
 from .targets import KNOWN_TARGETS, converted_target_folder, prepare_tokenizer
 
 logger = logging.get_logger(__name__)
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class TargetArguments:
-    """Which target to load, from where, onto which device and in which dtype (the flags of every command)."""
-
-    target: str = field(
-        default=DEFAULT_TARGET,
-        metadata={"help": f"A packaged target ({', '.join(KNOWN_TARGETS)}), a model folder, or a Hub id."},
-    )
-    revision: str | None = field(default=None, metadata={"help": "Hub revision (branch, tag or commit) of --target."})
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run the target's own modeling code from its folder or Hub repo."}
-    )
-    device: str | None = field(
-        default=None, metadata={"help": "cpu, cuda, cuda:1, mps, ... (default: the first accelerator, else cpu)."}
-    )
-    dtype: str | None = field(
-        default=None,
-        metadata={
-            "help": f"{', '.join(DTYPES)} or auto (the checkpoint's own); default: bfloat16 on an accelerator, "
-            "float32 on the CPU.",
-            "aliases": ["--target_dtype"],  # the name `hf-dflash train` used before
-        },
-    )
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={"help": "eager, sdpa, flash_attention_2, flex_attention, ... (default: transformers')."},
-    )
-    target_adapter: str | None = field(
-        default=None,
-        metadata={"help": "A PEFT adapter of --target (folder or Hub id), e.g. your LoRA fine-tune, run unmerged."},
-    )
-    merge_target_adapter: bool = field(
-        default=False, metadata={"help": "Merge --target_adapter into the target's weights (merge_and_unload)."}
-    )
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def default_device() -> torch.device:
@@ -239,11 +203,10 @@ def load_draft(
 
 def _target_source(target: str, revision: str | None) -> str:
     """What ``from_pretrained`` reads: a packaged target's converted folder, a local folder, or the Hub id."""
-    if target in KNOWN_TARGETS:
-        if revision is not None:
-            raise ValueError(f"{target!r} is a packaged target from PyPI; it has no Hub revision (drop --revision).")
+    kind = check_model_name(target, "target", revision=revision)
+    if kind == PACKAGED:
         return str(converted_target_folder(target))
-    return _folder_or_hub_id(target, "Target")
+    return str(Path(target).expanduser()) if kind == FOLDER else target
 
 
 def _folder_or_hub_id(name: str, what: str) -> str:
@@ -251,12 +214,9 @@ def _folder_or_hub_id(name: str, what: str) -> str:
     folder = Path(name).expanduser()
     if folder.is_dir():
         return str(folder)
-    # A Hub id is `name` or `owner/name`: never `./x`, `/x`, `~/x` or `a/b/c`.
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name):
-        packaged = f"a packaged name ({', '.join(KNOWN_TARGETS)}), " if what == "Target" else ""
+    if is_path_like(name):
         raise FileNotFoundError(
-            f"{what} folder {name!r} does not exist. A {what.lower()} is {packaged}a local folder, or a Hub id "
-            "such as owner/name."
+            f"{what} folder {name!r} does not exist. A {what.lower()} is a local folder, or a Hub id."
         )
     return name
 
@@ -294,12 +254,3 @@ __all__ = [
     "same_device",
     "resolve_dtype",
 ]
-
-
-def committed_drafter(target_name: str) -> str | None:
-    """The drafter trained for a packaged target and committed in the git repository (`drafters/<target>`), if this
-    package runs from a checkout of it; None otherwise, as in an installed wheel, which carries no drafters (pass
-    their folder or Hub id instead)."""
-    repository = Path(__file__).resolve().parents[2]  # src/hf_dflash/loading.py -> the checkout's root
-    folder = repository / "drafters" / target_name
-    return str(folder) if (folder / "config.json").is_file() else None

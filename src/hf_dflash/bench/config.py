@@ -1,14 +1,17 @@
 """What a benchmark run compares and how: the method names, the baselines and `BenchmarkConfig`.
 
 Design: plain data only (names, reasons, a config dataclass, a tokenized prompt), so that the methods, the harness and
-the report all read one definition without importing one another.
+the report all read one definition without importing one another, and `hf-dflash bench --help` reads it without
+importing torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BASELINE = "plain"
 STOCK_BASELINE = "plain_stock"  # plain decoding with the stock kernels, when the target was prepared for the CPU
