@@ -14,10 +14,13 @@ and ``check_model_name`` the rules of naming a model, so that the command line c
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -34,7 +37,7 @@ from hf_dflash.model.modeling_dflash import DFlashForDrafting
 from .adapters import is_adapter_folder, load_draft_adapter, read_base_drafter_record
 from .arguments import DEFAULT_TARGET, DTYPE_NAMES, FOLDER, PACKAGED, TargetArguments, check_model_name, is_path_like
 from .offline import committed_drafter as committed_drafter  # re-exported: it used to live here
-from .targets import KNOWN_TARGETS, converted_target_folder, prepare_tokenizer
+from .targets import KNOWN_TARGETS, converted_target_folder, default_cache_dir, prepare_tokenizer
 
 logger = logging.get_logger(__name__)
 
@@ -109,8 +112,9 @@ def load_target_and_tokenizer(
             tokenizer, when it has one, replaces the base's.
         tokenizer_required: when False, a target without a tokenizer loads with ``None`` instead of raising.
 
-    Raises ``FileNotFoundError`` for a path that does not exist and ``OSError`` naming the three ways to name a
-    target when transformers cannot load it.
+    Raises ``FileNotFoundError`` for a path that does not exist, ``OSError`` naming the three ways to name a
+    target when transformers cannot load it, and ``OSError`` naming a truncated or corrupt weights file and how to
+    get a whole one.
     """
     device = resolve_device(device)
     source = _target_source(str(target), revision)
@@ -119,8 +123,11 @@ def load_target_and_tokenizer(
     if attn_implementation is not None:
         loading["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **loading, **remote)
+        with _named_weights_errors(source, revision, "Target"):
+            model = AutoModelForCausalLM.from_pretrained(source, **loading, **remote)
     except OSError as error:
+        if isinstance(error.__cause__, SafetensorError):
+            raise
         raise OSError(
             f"Cannot load target {str(target)!r}: {error}\nA target is a packaged name ({', '.join(KNOWN_TARGETS)}), "
             "a model folder, or a Hub id (the Hub needs network access: unset HF_HUB_OFFLINE)."
@@ -195,10 +202,59 @@ def load_draft(
         base = load_draft(base_draft or read_base_drafter_record(draft)["name_or_path"], target, revision=revision)
         return load_draft_adapter(base, Path(draft).expanduser(), merge=merge_adapter).to(target.device)
     source = _folder_or_hub_id(str(draft), "Drafter")
-    model = DFlashForDrafting.from_pretrained(source, revision=revision, dtype=target.dtype)
+    with _named_weights_errors(source, revision, "Drafter"):
+        model = DFlashForDrafting.from_pretrained(source, revision=revision, dtype=target.dtype)
     model = model.to(target.device).eval()
     check_draft_fits_target(target, model, max_batch_size=None)
     return model
+
+
+@contextmanager
+def _named_weights_errors(source: str, revision: str | None, what: str) -> Iterator[None]:
+    """Raise safetensors' own error for a truncated or corrupt weights file ("incomplete metadata, file not fully
+    covered", which names no file) as an ``OSError`` naming the file and how to get a whole one."""
+    try:
+        yield
+    except SafetensorError as error:
+        folder = _local_folder(source, revision)
+        broken = [str(path) for path in _broken_safetensors(folder)] if folder is not None else []
+        named = ", ".join(broken) or f"a .safetensors file of {source}"
+        raise OSError(f"{what} weights file {named} is truncated or corrupt ({error}). {_refetch(source)}") from error
+
+
+def _local_folder(source: str, revision: str | None) -> Path | None:
+    """The folder holding ``source``'s files: itself, or its snapshot in the local Hub cache (None if there is none)."""
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, revision=revision, local_files_only=True))
+    except Exception:  # not cached: nothing local to name
+        return None
+
+
+def _broken_safetensors(folder: Path) -> list[Path]:
+    """The ``*.safetensors`` files of ``folder`` whose header safetensors refuses."""
+    from safetensors import safe_open
+
+    broken = []
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            broken.append(path)
+    return broken
+
+
+def _refetch(source: str) -> str:
+    """How to replace the weights of ``source`` with whole ones."""
+    if Path(source).is_dir() and Path(source).resolve().is_relative_to(default_cache_dir().resolve()):
+        return f"Delete the converted folder {source} and run again: it is converted anew from its package's GGUF."
+    if Path(source).is_dir():
+        return "Copy the model folder again, or save it again with save_pretrained."
+    return f"Download it again: hf download {source} --force-download."
 
 
 def _target_source(target: str, revision: str | None) -> str:
