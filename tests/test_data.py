@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from types import SimpleNamespace
 
 import datasets
@@ -348,10 +349,13 @@ def test_prompts_from_dataset_and_jsonl_cut_chats_after_the_last_user_turn(tmp_p
         {"role": "assistant", "content": "Not the target's words"},
     ]
     sharegpt = [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi!"}]
-    table = datasets.Dataset.from_dict({"messages": [chat, [chat[2]], sharegpt], "key": ["a", "b", "c"]})
+    table = datasets.Dataset.from_dict({"messages": [chat, sharegpt], "key": ["a", "c"]})
     prompts = prompts_from_dataset(table, source="mine", id_column="key")
     assert [p.id for p in prompts] == ["mine/a", "mine/c"]
     assert prompts[0].messages == chat[:2] and prompts[1].messages == [{"role": "user", "content": "Hello"}]
+    without_user = datasets.Dataset.from_dict({"messages": [chat, [chat[2]]], "key": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"row 1 \(mine/b\) of column 'messages': no user turn to answer"):
+        prompts_from_dataset(without_user, source="mine", id_column="key")
     strings = prompts_from_dataset(datasets.Dataset.from_dict({"prompt": ["x", "y"]}), column="prompt")
     assert [(p.id, p.messages[0]["content"]) for p in strings] == [("dataset/0", "x"), ("dataset/1", "y")]
     turns = [{"from": "human", "value": "Q"}, {"from": "chatgpt", "value": "A"}, {"from": "bing", "value": "B"}]
@@ -366,6 +370,34 @@ def test_prompts_from_dataset_and_jsonl_cut_chats_after_the_last_user_turn(tmp_p
     path.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: a prompt line needs"):
         prompts_from_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    "lines, line, problem",
+    [
+        (['{"prompt": ""}'], 1, "the user turn is empty or only whitespace"),
+        (['{"prompt": "ok"}', '{"prompt": " \\n\\t "}'], 2, "the user turn is empty or only whitespace"),
+        (['{"prompt": "ok"}', "", '{"messages": [{"role": "system", "content": "Be brief."}]}'], 3, "no user turn"),
+        (['{"messages": [{"role": "user", "content": "Hi"}, {"role": "user"}]}'], 1, "the user turn is empty"),
+        (['{"messages": [{"from": "gpt", "value": "Hi!"}]}'], 1, "no user turn"),
+        (['{"prompt": ["not", "text"]}'], 1, "a prompt is a string or a list of messages"),
+    ],
+)
+def test_a_prompt_line_without_a_user_turn_with_text_is_refused_by_file_and_line(tmp_path, lines, line, problem):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:{line}: {problem}"):
+        prompts_from_jsonl(path)
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}:{line}: "):
+        training_prompts([str(path)], evaluation=[])
+
+
+def test_no_record_is_written_for_a_prompt_without_a_user_turn_with_text(target, tokenizer, tmp_path):
+    prompts = make_prompts(2) + [Prompt(id="mine/blank", dataset="mine", messages=[{"role": "user", "content": " "}])]
+    output = tmp_path / "records.jsonl"
+    with pytest.raises(ValueError, match="Prompt mine/blank: the user turn is empty or only whitespace"):
+        regenerate_responses(target, tokenizer, prompts, output, max_new_tokens=2)
+    assert not output.exists()  # refused before anything was generated or written
 
 
 def test_synthesized_prompts_start_from_the_user_header_only(target, tokenizer, monkeypatch):

@@ -170,6 +170,22 @@ def prompt_set_path(name: str) -> Path:
 
 # The benchmark sets: never training sources, and their items are kept out of training prompts (`data.evaluation`).
 EVALUATION_SETS = ("gsm8k", "humaneval", "mt-bench")
+# Prompts written by the target itself (`hf_dflash.data.sources.synthesize_prompts`): a training source.
+SYNTHETIC_SOURCE = "synthetic"
+
+
+def check_training_source(source: str) -> None:
+    """Raise `ValueError` for a training source that is an evaluation set or not one at all: a source is a packaged
+    set other than the benchmarks, `"synthetic"`, or a path ending in `.jsonl` (`hf_dflash.data.sources`)."""
+    if source in EVALUATION_SETS:
+        raise ValueError(
+            f"{source!r} is an evaluation set ({', '.join(EVALUATION_SETS)}) and cannot be a training source: "
+            "the drafter would be measured on prompts it was trained on. Use 'sharegpt', 'math500', 'synthetic' "
+            "or a .jsonl file of your own prompts."
+        )
+    if source != SYNTHETIC_SOURCE and source not in KNOWN_PROMPT_SETS and not source.endswith(".jsonl"):
+        known = sorted({SYNTHETIC_SOURCE, *KNOWN_PROMPT_SETS} - set(EVALUATION_SETS))
+        raise ValueError(f"Unknown training source {source!r}; use one of {', '.join(known)} or a path ending .jsonl.")
 
 
 def split_set_limit(entry: str, limit: int | None) -> tuple[str, int | None]:

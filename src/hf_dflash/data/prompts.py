@@ -46,6 +46,20 @@ class Prompt:
     messages: list[dict]
 
 
+def user_turn_problem(messages: list[dict]) -> str | None:
+    """What keeps chat `messages` from being a prompt, or None: a prompt ends in a user turn with some text (the target
+    answers it), so no user turn, or an empty or whitespace-only last one, is refused (`hf_dflash.data.sources` and
+    `records.pending_prompts` raise it with the file and line, or the prompt id)."""
+    if not messages or messages[-1].get("role") != "user":
+        return "no user turn to answer (a prompt ends with the user's message)"
+    content = messages[-1].get("content")
+    if not isinstance(content, str):
+        return f"the user turn's content is {type(content).__name__}, not text"
+    if not content.strip():
+        return "the user turn is empty or only whitespace"
+    return None
+
+
 def load_prompts(name: str, limit: int | None = None, split: str | None = None) -> list[Prompt]:
     """Load up to ``limit`` prompts of a known set (see ``KNOWN_PROMPT_SETS``), in file order.
 
