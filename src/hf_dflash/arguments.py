@@ -48,9 +48,10 @@ class TargetArguments:
     dtype: str | None = field(
         default=None,
         metadata={
-            "help": f"{', '.join(DTYPE_NAMES)} or auto (the checkpoint's own); default: bfloat16 on an accelerator, "
-            "float32 on the CPU.",
+            "help": "The weights' dtype, auto: the checkpoint's own (default: bfloat16 on an accelerator, float32 on "
+            "the CPU).",
             "aliases": ["--target_dtype"],  # the name `hf-dflash train` used before
+            "choices": [*DTYPE_NAMES, "auto"],
         },
     )
     attn_implementation: str | None = field(
