@@ -206,18 +206,24 @@ def test_a_truncated_weights_file_is_one_line_naming_it(tmp_path, capsys):
 
 def test_an_uncached_hub_id_is_asked_about_when_the_hub_is_online(monkeypatch, nothing_loads, capsys):
     import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     asked = []
-    monkeypatch.setattr(huggingface_hub, "repo_exists", lambda name, **kwargs: asked.append(name) or False)
+
+    def repo_info(self, name, **kwargs):
+        asked.append(name)
+        raise RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # what the Hub answers for no such model
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", repo_info)
     code, err = run_cli(["demo", "--target", "smollm2-135m", "--untrained"], capsys)
     assert asked == ["smollm2-135m"]
     assert_one_line_error(code, err, "demo", "unknown target 'smollm2-135m'", "the Hub has", "smollm2-135m-instruct")
 
-    def no_network(name, **kwargs):
+    def no_network(self, name, **kwargs):
         raise OSError("no network")
 
-    monkeypatch.setattr(huggingface_hub, "repo_exists", no_network)  # cannot ask: loading will say what went wrong
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", no_network)  # cannot ask: loading will say what is wrong
     with pytest.raises(pytest.fail.Exception, match="a model was loaded"):
         cli.main(["demo", "--target", "someone/some-model", "--untrained"])
 

@@ -26,6 +26,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `hf_dflash.loading.DTYPES` m
 PACKAGED, FOLDER, HUB = "packaged", "folder", "hub"
 # The file that makes a folder a saved model; a drafter folder may hold a PEFT adapter instead (`hf_dflash.adapters`).
 MODEL_FILES = {"target": ("config.json",), "drafter": ("config.json", "adapter_config.json")}
+HUB_QUESTION_TIMEOUT_S = 5.0  # how long a check waits for the Hub to say whether a model exists
 
 
 @dataclass
@@ -137,13 +138,19 @@ def _check_hub_id(name: str, what: str, revision: str | None) -> str:
 
 
 def _hub_lacks(name: str) -> bool:
-    """Whether the Hub answers that it has no model `name`; False when it cannot be asked (no network)."""
-    from huggingface_hub import repo_exists
+    """Whether the Hub answers that it has no model `name`; False when it cannot be asked (no network, a timeout)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     try:
-        return not repo_exists(name)
+        HfApi().repo_info(name, timeout=HUB_QUESTION_TIMEOUT_S)
+    except GatedRepoError:  # there, but not open to this user: loading will say so
+        return False
+    except RepositoryNotFoundError:
+        return True
     except Exception:  # network trouble: loading will ask again and say what went wrong
         return False
+    return False
 
 
 def _unknown(name: str, what: str, hub: str) -> str:

@@ -27,6 +27,7 @@ from hf_dflash.arguments import TargetArguments, check_model_name, is_path_like
 from .errors import UsageError, usage_errors
 
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "y", "1", "t"), ("false", "no", "n", "0", "f")
+Flags = argparse._ActionsContainer  # what flags are added to: a parser or one of its argument groups
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -149,20 +150,22 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_bool_flag(parser, name: str, *, help: str, default: bool = False, aliases: tuple[str, ...] = ()) -> None:
+def add_bool_flag(
+    parser: Flags, name: str, *, help: str, default: bool = False, aliases: tuple[str, ...] = ()
+) -> None:
     """`--name` alone or `--name true|false`, as `HfArgumentParser` spells the booleans of `hf-dflash train`."""
     parser.add_argument(
         f"--{name}", *aliases, nargs="?", const=True, default=default, type=parse_bool, metavar="BOOL", help=help
     )
 
 
-def add_dataclass_flags(parser, cls: type, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def add_dataclass_flags(parser: Flags, cls: type, *, skip: tuple[str, ...] = ()) -> dict[str, Flags]:
     """The fields of the dataclass `cls` (but `skip`) as flags of `parser` (or an argument group), with the help and
     default of each field: `bool` is `add_bool_flag`, `X | None` takes an X, `tuple[X, ...]` and `list[X]` take zero or
     more (`nargs` in `metadata` may ask for one or more); `metadata` may add `aliases`, `choices`, `metavar`, and `group`,
     the section of `--help` to list it in. Returns those sections by title (for the caller's own flags)."""
     hints = typing.get_type_hints(cls)
-    groups: dict[str, Any] = {}
+    groups: dict[str, Flags] = {}
     for field in dataclasses.fields(cls):
         if field.name in skip or not field.init:
             continue
@@ -327,7 +330,7 @@ def check_draft(args: argparse.Namespace) -> None:
         check_model(args.base_draft, "drafter", "--base_draft")
 
 
-def add_cpu_kernel_flag(parser: argparse.ArgumentParser) -> None:
+def add_cpu_kernel_flag(parser: Flags) -> None:
     """`--cpu_kernels fast|exact|off`: how a CPU target (and drafter) is prepared (`prepare_cpu_kernels`)."""
     parser.add_argument(
         "--cpu_kernels",

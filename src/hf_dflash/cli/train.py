@@ -35,7 +35,7 @@ def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
     return parser
 
 
-def train_parser():
+def train_parser() -> argparse.ArgumentParser:
     """The `hf-dflash train` parser (`train_argument_parser`), with this command line's help and errors."""
     from transformers import HfArgumentParser
 
