@@ -422,24 +422,30 @@ def test_the_table_counts_each_other_kernel_plains_differences_apart(report):
     assert "identical outputs" in lines[-1]  # not failures
 
 
-def _fresh_models(monkeypatch) -> None:
-    """The CLI loads a new tiny target and drafter each time (it prepares them for the CPU, as it would real ones)."""
+def _fresh_models(monkeypatch, tmp_path) -> str:
+    """The CLI loads a new tiny target and drafter each time (it prepares them for the CPU, as it would real ones);
+    returns the `--draft` folder it checks (a config.json) before it loads. The prompt sets need not be installed."""
     from hf_dflash import loading
+    from hf_dflash.cli import bench as bench_command
 
     monkeypatch.setattr(loading, "load_target_and_tokenizer", lambda **arguments: (make_target("llama"), None))
     monkeypatch.setattr(
         loading, "load_draft", lambda path, target, **options: make_draft(target, block_size=4, num_hidden_layers=1)
     )
+    monkeypatch.setattr(bench_command, "prompt_set_path", lambda name: None)
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    return str(tmp_path / "draft")
 
 
 def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_path):
     from hf_dflash import cli
 
     real_run = bench.run_benchmark
-    _fresh_models(monkeypatch)
+    draft = _fresh_models(monkeypatch, tmp_path)
     monkeypatch.setattr(bench, "run_benchmark", lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:1], **kwargs))
     output = tmp_path / "bench.json"
-    argv = ["bench", "--draft", "unused", "--max-new-tokens", "6", "--methods", "ours", "--output", str(output)]
+    argv = ["bench", "--draft", draft, "--max-new-tokens", "6", "--methods", "ours", "--output", str(output)]
     argv += ["--draft-block-sizes", "--batch-sizes", "--plain-threads", str(OTHER_THREADS)]
     assert cli.main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -449,7 +455,7 @@ def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_pat
     assert json.loads(last)["methods"] == ["plain", PLAIN_OTHER, STOCK_BASELINE, "ours"]  # prepared: stock plain too
     assert output.with_suffix(".png").is_file()
     written = json.loads(output.read_text())
-    assert written["conditions"]["command"].startswith("hf-dflash") and written["conditions"]["draft_path"] == "unused"
+    assert written["conditions"]["command"].startswith("hf-dflash") and written["conditions"]["draft_path"] == draft
     assert BenchmarkReport.read(output).to_json() == written  # the CLI's own keys survive a read
 
     broken = dict(default_methods())
@@ -467,12 +473,12 @@ def bench_cli(monkeypatch, tmp_path):
     from hf_dflash import cli
 
     real_run = bench.run_benchmark
-    _fresh_models(monkeypatch)
+    draft = _fresh_models(monkeypatch, tmp_path)
     monkeypatch.setattr(bench, "run_benchmark", lambda *args, **kwargs: real_run(*args, prompts=PROMPTS[:2], **kwargs))
     output = tmp_path / "bench.json"
 
     def run(*options: str) -> tuple[int, dict]:
-        argv = ["bench", "--draft", "unused", "--max-new-tokens", "6", "--methods", "ours", "--verify", "all"]
+        argv = ["bench", "--draft", draft, "--max-new-tokens", "6", "--methods", "ours", "--verify", "all"]
         exit_code = cli.main(argv + ["--output", str(output), *options])
         return exit_code, json.loads(output.read_text())
 

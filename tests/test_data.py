@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from types import SimpleNamespace
 
 import datasets
@@ -301,7 +302,7 @@ def test_an_evaluation_set_opted_out_by_name_is_not_loaded_and_is_logged(tmp_pat
         training_prompts([str(path)], evaluation=[], unfiltered_evaluation_sets=["mt-bench"])
 
 
-def test_data_command_opts_out_of_an_evaluation_set_by_flag(target, tokenizer, tmp_path, monkeypatch, caplog):
+def test_data_command_opts_out_of_an_evaluation_set_by_flag(target, tokenizer, tmp_path, monkeypatch, caplog, capsys):
     import hf_dflash.loading
     from hf_dflash.cli import main
 
@@ -326,8 +327,8 @@ def test_data_command_opts_out_of_an_evaluation_set_by_flag(target, tokenizer, t
     package_logger = logging.getLogger("hf_dflash")
     handlers, level = list(package_logger.handlers), package_logger.level
     try:
-        with pytest.raises(RuntimeError, match="--unfiltered_evaluation_set gsm8k"):
-            main(argv)
+        assert main(argv) == 2  # refused before the target loads, naming the flag that lets the set through
+        assert "--unfiltered_evaluation_set gsm8k" in capsys.readouterr().err
         # the dash spelling is accepted as well as the documented underscore one
         flags = [arg for name in EVALUATION_SETS for arg in ("--unfiltered-evaluation-set", name)]
         with caplog.at_level(logging.WARNING, logger="hf_dflash.data.evaluation"):
@@ -348,10 +349,13 @@ def test_prompts_from_dataset_and_jsonl_cut_chats_after_the_last_user_turn(tmp_p
         {"role": "assistant", "content": "Not the target's words"},
     ]
     sharegpt = [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi!"}]
-    table = datasets.Dataset.from_dict({"messages": [chat, [chat[2]], sharegpt], "key": ["a", "b", "c"]})
+    table = datasets.Dataset.from_dict({"messages": [chat, sharegpt], "key": ["a", "c"]})
     prompts = prompts_from_dataset(table, source="mine", id_column="key")
     assert [p.id for p in prompts] == ["mine/a", "mine/c"]
     assert prompts[0].messages == chat[:2] and prompts[1].messages == [{"role": "user", "content": "Hello"}]
+    without_user = datasets.Dataset.from_dict({"messages": [chat, [chat[2]]], "key": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"row 1 \(mine/b\) of column 'messages': no user turn to answer"):
+        prompts_from_dataset(without_user, source="mine", id_column="key")
     strings = prompts_from_dataset(datasets.Dataset.from_dict({"prompt": ["x", "y"]}), column="prompt")
     assert [(p.id, p.messages[0]["content"]) for p in strings] == [("dataset/0", "x"), ("dataset/1", "y")]
     turns = [{"from": "human", "value": "Q"}, {"from": "chatgpt", "value": "A"}, {"from": "bing", "value": "B"}]
@@ -366,6 +370,34 @@ def test_prompts_from_dataset_and_jsonl_cut_chats_after_the_last_user_turn(tmp_p
     path.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: a prompt line needs"):
         prompts_from_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    "lines, line, problem",
+    [
+        (['{"prompt": ""}'], 1, "the user turn is empty or only whitespace"),
+        (['{"prompt": "ok"}', '{"prompt": " \\n\\t "}'], 2, "the user turn is empty or only whitespace"),
+        (['{"prompt": "ok"}', "", '{"messages": [{"role": "system", "content": "Be brief."}]}'], 3, "no user turn"),
+        (['{"messages": [{"role": "user", "content": "Hi"}, {"role": "user"}]}'], 1, "the user turn is empty"),
+        (['{"messages": [{"from": "gpt", "value": "Hi!"}]}'], 1, "no user turn"),
+        (['{"prompt": ["not", "text"]}'], 1, "a prompt is a string or a list of messages"),
+    ],
+)
+def test_a_prompt_line_without_a_user_turn_with_text_is_refused_by_file_and_line(tmp_path, lines, line, problem):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:{line}: {problem}"):
+        prompts_from_jsonl(path)
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}:{line}: "):
+        training_prompts([str(path)], evaluation=[])
+
+
+def test_no_record_is_written_for_a_prompt_without_a_user_turn_with_text(target, tokenizer, tmp_path):
+    prompts = make_prompts(2) + [Prompt(id="mine/blank", dataset="mine", messages=[{"role": "user", "content": " "}])]
+    output = tmp_path / "records.jsonl"
+    with pytest.raises(ValueError, match="Prompt mine/blank: the user turn is empty or only whitespace"):
+        regenerate_responses(target, tokenizer, prompts, output, max_new_tokens=2)
+    assert not output.exists()  # refused before anything was generated or written
 
 
 def test_synthesized_prompts_start_from_the_user_header_only(target, tokenizer, monkeypatch):

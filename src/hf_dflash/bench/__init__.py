@@ -7,28 +7,49 @@ throughput), `draft_step` (the draft's step time), `report` (the report's datacl
 shows) and `peers` (serving engines on the same prompts, plain and with the drafter).
 """
 
-from hf_dflash.bench.config import ALL_METHODS, BenchmarkConfig, BenchmarkPrompt
-from hf_dflash.bench.harness import load_benchmark_prompts, measure_batch_throughput, run_benchmark
-from hf_dflash.bench.methods import default_methods, plain_thread_methods, plain_threads_name
-from hf_dflash.bench.paths import PathComparison, compare_decoding_paths
-from hf_dflash.bench.plot import save_plot
-from hf_dflash.bench.report import (
-    BatchThroughput,
-    BenchmarkReport,
-    Conditions,
-    DatasetSummary,
-    DraftStepTime,
-    MethodSummary,
-    Mismatch,
-    PeerRow,
-    PromptRecord,
-    PromptRun,
-    SpeculativeStatsSummary,
-    SubBenchmarkError,
-    failures,
-    render_table,
-)
-from hf_dflash.bench.statistics import median
+import importlib
+from typing import Any
+
+# The public names by module, imported on first use (PEP 562): `hf-dflash bench --help` reads `config`'s defaults
+# and method names without importing the harness (and torch).
+_MODULES = {
+    "config": ("ALL_METHODS", "BenchmarkConfig", "BenchmarkPrompt"),
+    "harness": ("load_benchmark_prompts", "measure_batch_throughput", "run_benchmark"),
+    "methods": ("default_methods", "plain_thread_methods", "plain_threads_name"),
+    "paths": ("PathComparison", "compare_decoding_paths"),
+    "plot": ("save_plot",),
+    "report": (
+        "BatchThroughput",
+        "BenchmarkReport",
+        "Conditions",
+        "DatasetSummary",
+        "DraftStepTime",
+        "MethodSummary",
+        "Mismatch",
+        "PeerRow",
+        "PromptRecord",
+        "PromptRun",
+        "SpeculativeStatsSummary",
+        "SubBenchmarkError",
+        "failures",
+        "render_table",
+    ),
+    "statistics": ("median",),
+}
+_MODULE_OF = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'hf_dflash.bench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hf_dflash.bench.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
+
 
 __all__ = [
     "ALL_METHODS",

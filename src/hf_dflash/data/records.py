@@ -24,7 +24,7 @@ import transformers
 from transformers import PreTrainedTokenizerBase
 
 from hf_dflash.data.chat import encode_prompt
-from hf_dflash.data.prompts import Prompt
+from hf_dflash.data.prompts import Prompt, user_turn_problem
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -45,10 +45,16 @@ def pending_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Iterable[Prompt], output_path: Path, max_prompt_tokens: int
 ) -> list[tuple[Prompt, list[int]]]:
     """(prompt, its chat-template ids) of each prompt still to answer: not in ``output_path`` yet (``completed_ids``),
-    not a repeated id, and at most ``max_prompt_tokens`` long; what was skipped is logged."""
+    not a repeated id, and at most ``max_prompt_tokens`` long; what was skipped is logged.
+
+    Raises ``ValueError`` naming the prompt for one that does not end in a user turn with text
+    (``prompts.user_turn_problem``): no record is written with an empty user turn."""
     done = completed_ids(output_path)
     todo, already, too_long = [], 0, 0
     for prompt in prompts:
+        problem = user_turn_problem(prompt.messages)
+        if problem is not None:
+            raise ValueError(f"Prompt {prompt.id}: {problem}; give it a user turn with text or leave it out.")
         if prompt.id in done:
             already += 1
             continue

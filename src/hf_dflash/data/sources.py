@@ -6,7 +6,8 @@ a path ending in ``.jsonl`` (``prompts_from_jsonl``), or ``"synthetic"``: prompt
 the output so a resumed run does not sample them again). The benchmark sets are refused as sources and every
 prompt that equals or contains one of their items is dropped (``hf_dflash.data.evaluation``), as are repeated ids
 and texts. Chat lists are cut after their last user message, which the target then answers
-(``hf_dflash.data.regenerate``).
+(``hf_dflash.data.regenerate``). A prompt of the user's own (a JSONL line, a dataset row) without a user turn with
+text is refused, naming its file and line or row: it is a mistake to fix, not a prompt to answer.
 """
 
 from __future__ import annotations
@@ -30,44 +31,46 @@ from hf_dflash.data.evaluation import (
     evaluation_prompts,
     normalize_text,
 )
-from hf_dflash.data.prompts import KNOWN_PROMPT_SETS, Prompt, load_prompts
+from hf_dflash.data.prompts import Prompt, load_prompts, prompt_set_path, user_turn_problem
 from hf_dflash.data.regenerate import generate_responses
 from hf_dflash.data.tokens import pad_token_id_for
+from hf_dflash.offline import SYNTHETIC_SOURCE as SYNTHETIC_SOURCE  # prompts written by the target itself
+from hf_dflash.offline import check_training_source
 
 logger = transformers.utils.logging.get_logger(__name__)
 
-# Prompts written by the target itself (``synthesize_prompts``).
-SYNTHETIC_SOURCE = "synthetic"
-
 
 def prompts_from_jsonl(path: str | os.PathLike, source: str | None = None) -> list[Prompt]:
-    """Prompts from a JSONL file whose lines hold ``"messages"`` (a chat list) or ``"prompt"`` (a string).
+    """Prompts from a JSONL file: one JSON object a line, with ``"prompt"`` (the text of one user turn) or
+    ``"messages"`` (a chat list of ``{"role", "content"}``, or ShareGPT's ``{"from", "value"}``); blank lines are
+    skipped.
 
     A line's ``"id"`` and ``"source"`` are kept when present; otherwise the id is ``"<source>/<line index>"``
     and ``source`` defaults to the file's stem. Chat lists are cut after their last user message (the
-    target answers it); lines without a user message are skipped.
+    target answers it). Raises ``ValueError`` naming ``file:line`` for a line that is not a JSON object, has
+    neither field, or gives no user turn with text to answer (an empty or whitespace-only prompt, a chat list without
+    a user message, or whose last user message is empty): such a line is refused, never written as a record.
     """
     path = Path(path)
     source = source or path.stem
-    prompts, skipped = [], 0
+    prompts = []
     with open(path, encoding="utf-8") as file:
         for index, line in enumerate(file):
             if not line.strip():
                 continue
+            where = f"{path}:{index + 1}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{index + 1}: not valid JSON ({error})") from error
-            if "messages" not in record and "prompt" not in record:
-                raise ValueError(f"{path}:{index + 1}: a prompt line needs a 'messages' list or a 'prompt' string")
+                raise ValueError(f"{where}: not valid JSON ({error})") from error
+            if not isinstance(record, dict) or ("messages" not in record and "prompt" not in record):
+                example = '{"prompt": "Hi"} or {"messages": [{"role": "user", "content": "Hi"}]}'
+                raise ValueError(
+                    f"{where}: a prompt line needs a 'messages' list or a 'prompt' string, e.g. {example}"
+                )
             value = record["messages"] if "messages" in record else record["prompt"]
-            prompt = _to_prompt(value, str(record.get("id", f"{source}/{index}")), record.get("source", source))
-            if prompt is None:
-                skipped += 1
-            else:
-                prompts.append(prompt)
-    if skipped:
-        logger.warning(f"{path}: skipped {skipped} lines without a user message")
+            prompt_id = str(record.get("id", f"{source}/{index}"))
+            prompts.append(_to_prompt(value, prompt_id, record.get("source", source), where))
     return prompts
 
 
@@ -77,16 +80,16 @@ def prompts_from_dataset(
     """Prompts from a ``datasets.Dataset`` column of chat lists (``"messages"``) or strings (``"prompt"``).
 
     Ids are ``"<source>/<row index>"``, or ``"<source>/<id_column value>"``. Chat lists are cut after their
-    last user message; rows without one are skipped.
+    last user message. Raises ``ValueError`` naming the row for one without a user turn with text, as
+    ``prompts_from_jsonl`` does for a line.
     """
     if column not in dataset.column_names:
         raise ValueError(f"The dataset has no column {column!r}; columns: {', '.join(dataset.column_names)}.")
     ids = dataset[id_column] if id_column else range(len(dataset))
-    prompts = [_to_prompt(value, f"{source}/{item_id}", source) for item_id, value in zip(ids, dataset[column])]
-    kept = [prompt for prompt in prompts if prompt is not None]
-    if len(kept) < len(prompts):
-        logger.warning(f"Skipped {len(prompts) - len(kept)} rows of column {column!r} without a user message")
-    return kept
+    return [
+        _to_prompt(value, f"{source}/{item_id}", source, f"row {row} ({source}/{item_id}) of column {column!r}")
+        for row, (item_id, value) in enumerate(zip(ids, dataset[column]))
+    ]
 
 
 def write_prompts_jsonl(prompts: Iterable[Prompt], path: str | os.PathLike) -> Path:
@@ -181,7 +184,7 @@ def training_prompts(
     written there, so a resumed run does not sample them again.
     """
     for source in sources:
-        _check_source(source)
+        check_training_source(source)
     if SYNTHETIC_SOURCE in sources and (target is None or tokenizer is None):
         raise ValueError("The 'synthetic' source needs the target and its tokenizer (target=..., tokenizer=...).")
     if evaluation is not None and unfiltered_evaluation_sets:
@@ -214,17 +217,17 @@ def training_prompts(
     return prompts
 
 
-def _check_source(source: str) -> None:
-    """Raise ``ValueError`` for an evaluation set or an unknown source spec."""
-    if source in EVALUATION_SETS:
-        raise ValueError(
-            f"{source!r} is an evaluation set ({', '.join(EVALUATION_SETS)}) and cannot be a training source: "
-            "the drafter would be measured on prompts it was trained on. Use 'sharegpt', 'math500', 'synthetic' "
-            "or a .jsonl file of your own prompts."
-        )
-    if source != SYNTHETIC_SOURCE and source not in KNOWN_PROMPT_SETS and not source.endswith(".jsonl"):
-        known = sorted({SYNTHETIC_SOURCE, *KNOWN_PROMPT_SETS} - set(EVALUATION_SETS))
-        raise ValueError(f"Unknown training source {source!r}; use one of {', '.join(known)} or a path ending .jsonl.")
+def check_training_sources(sources: Iterable[str]) -> None:
+    """Raise what ``training_prompts`` would raise about ``sources`` before anything is generated or loaded: a
+    ``ValueError`` for an evaluation set, an unknown spec, or a JSONL line that is not a prompt (naming file:line),
+    ``FileNotFoundError`` for a missing JSONL file, and ``ModuleNotFoundError`` / ``FileNotFoundError`` naming the pip
+    command for a packaged set that is not installed."""
+    for source in sources:
+        check_training_source(source)
+        if source.endswith(".jsonl"):
+            prompts_from_jsonl(source)
+        elif source != SYNTHETIC_SOURCE:
+            prompt_set_path(source)
 
 
 def _load_source(source, limit, target, tokenizer, seed, batch_size, synthetic_cache, progress) -> list[Prompt]:
@@ -261,15 +264,21 @@ def chat_messages(value: list[dict]) -> list[dict]:
     return messages
 
 
-def _to_prompt(value: str | list[dict], prompt_id: str, source: str) -> Prompt | None:
-    """A prompt from a string (one user turn) or a chat list cut after its last user message; None if none."""
+def _to_prompt(value: str | list[dict], prompt_id: str, source: str, where: str) -> Prompt:
+    """A prompt from a string (one user turn) or a chat list cut after its last user message; `ValueError` naming
+    `where` (a file:line or a row) for one without a user turn with text (`prompts.user_turn_problem`)."""
     if isinstance(value, str):
-        return Prompt(id=prompt_id, dataset=source, messages=[{"role": "user", "content": value}])
-    messages = chat_messages(value)
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-    if last_user is None:
-        return None
-    return Prompt(id=prompt_id, dataset=source, messages=messages[: last_user + 1])
+        messages = [{"role": "user", "content": value}]
+    elif isinstance(value, list) and all(isinstance(message, dict) for message in value):
+        messages = chat_messages(value)
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages))
+        messages = messages[: last_user + 1]
+    else:
+        raise ValueError(f"{where}: a prompt is a string or a list of messages, not {type(value).__name__}")
+    problem = user_turn_problem(messages)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}. Give it a user turn with text, or remove it")
+    return Prompt(id=prompt_id, dataset=source, messages=messages)
 
 
 def _is_degenerate(text: str) -> bool:

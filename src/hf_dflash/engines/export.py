@@ -23,9 +23,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from hf_dflash.atomic_files import write_text_atomic
-from hf_dflash.engines import llama_cpp, openvino
-
-ENGINES = ("llama.cpp", "openvino", "vllm", "sglang")
+from hf_dflash.engines import ENGINES, llama_cpp, openvino
 
 
 @dataclass(frozen=True)

@@ -129,11 +129,19 @@ class DFlashTrainingArguments(TrainingArguments):
     save_zlab_layout: bool = field(
         default=False, metadata={"help": "Also write the z-lab layout (vLLM, SGLang) into `<checkpoint>/zlab`."}
     )
-    learning_rate: float = 6e-4
-    lr_scheduler_type: str = "cosine"
-    warmup_steps: float = 0.04
-    weight_decay: float = 0.0
-    remove_unused_columns: bool = False
+    # TrainingArguments fields with the recipes' defaults (their help says so, as `hf-dflash train --help` shows it)
+    learning_rate: float = field(default=6e-4, metadata={"help": "The initial learning rate for AdamW."})
+    lr_scheduler_type: str = field(
+        default="cosine", metadata={"help": "The learning rate schedule (transformers' SchedulerType names)."}
+    )
+    warmup_steps: float = field(
+        default=0.04,
+        metadata={"help": "Linear warmup from 0 to learning_rate: a number of steps, or below 1 a share of them."},
+    )
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW's weight decay."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Must stay false: the draft's forward takes no input_ids."}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
