@@ -85,3 +85,32 @@ def test_compare_decoding_paths_times_three_paths_that_agree(planned):
     comparison.sequences[paths.OURS] = comparison.sequences[paths.OURS].clone()
     comparison.sequences[paths.OURS][0, -1] += 1
     assert not comparison.identical
+
+
+def test_train_help_is_rendered_once_then_read_from_its_cache_without_torch(tmp_path, monkeypatch, capsys):
+    import os
+    import subprocess
+    import sys
+
+    from hf_dflash.cli import main
+    from hf_dflash.cli import train as train_command
+
+    monkeypatch.setenv("HF_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    rendered = capsys.readouterr().out
+    assert rendered == train_command.train_parser().format_help() and "--selector_rank" in rendered
+    cache = train_command.train_help_cache()
+    assert cache.read_text() == rendered
+    script = (
+        "import sys\nfrom hf_dflash.cli import main\ntry:\n    main(['train', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'the cached help imported them'\n"
+    )
+    env = {**os.environ, "HF_DFLASH_CACHE": str(tmp_path), "COLUMNS": "100"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == rendered
+    monkeypatch.setattr(train_command, "_installed_version", lambda name: "another")
+    assert train_command.train_help_cache() != cache  # another transformers renders other flags: another file

@@ -7,11 +7,21 @@ the top-level parser leaves every flag after `train` unparsed, and `main` hands 
 and `run` builds the real parser, whose `--help` lists DFlash's flags by group, then the `TrainingArguments` ones.
 `run` checks the flags, the target, the drafter to continue, the output folder and every record of `--data` before
 any model loads.
+
+Importing `TrainingArguments` costs seconds (torch, peft), so `--help` is rendered once and kept in a cache file
+(`train_help_cache`) keyed by everything the text depends on: the files that declare the flags, the versions of
+transformers, peft and accelerate, and the terminal width. Later `--help`s print the file without importing either.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
+import shutil
+import sys
+from importlib import metadata
+from pathlib import Path
 
 from .errors import usage_errors
 from .flags import HelpFormatter, RaisesUsageErrors, check_input_file, check_model, check_output_folder
@@ -53,8 +63,59 @@ def train_parser() -> argparse.ArgumentParser:
     )
 
 
+# The files whose fields or text make `train --help` (relative to the package), and the packages whose fields it lists.
+HELP_SOURCES = (
+    "arguments.py",
+    "loading.py",
+    "training/arguments.py",
+    "training/script.py",
+    "cli/train.py",
+    "cli/flags.py",
+)
+HELP_PACKAGES = ("transformers", "peft", "accelerate")
+
+
+def train_help_cache() -> Path:
+    """The file that holds `hf-dflash train --help` for this installation and terminal width."""
+    package = Path(__file__).resolve().parent.parent
+    key = hashlib.sha256()
+    for name in HELP_SOURCES:
+        key.update((package / name).read_bytes())
+    for name in HELP_PACKAGES:
+        key.update(_installed_version(name).encode())
+    key.update(str(shutil.get_terminal_size().columns).encode())
+    cache = Path(os.environ.get("HF_DFLASH_CACHE") or Path.home() / ".cache" / "hf_dflash")
+    return cache / "help" / f"train-{key.hexdigest()[:16]}.txt"
+
+
+def _installed_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def print_help() -> None:
+    """`hf-dflash train --help`: from its cache file, or rendered by the parser (and cached)."""
+    from hf_dflash.atomic_files import write_text_atomic
+
+    cache = train_help_cache()
+    if cache.is_file():
+        sys.stdout.write(cache.read_text())
+        return
+    text = train_parser().format_help()
+    try:
+        write_text_atomic(cache, text)
+    except OSError:  # a read-only home: the help still prints, only slower next time
+        pass
+    sys.stdout.write(text)
+
+
 def run(args: argparse.Namespace) -> int:
     """Parse `args.unparsed_flags`, check them, train, print the summary (on the main process)."""
+    if {"-h", "--help"} & set(args.unparsed_flags):
+        print_help()
+        raise SystemExit(0)  # as argparse ends every other command's --help
     parser = train_parser()
     from transformers.utils import logging as hf_logging
 
