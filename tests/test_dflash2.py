@@ -659,3 +659,42 @@ def test_the_card_of_a_dflash2_drafter_names_its_architecture_and_what_serves_it
         card = str(render_model_card(card_info_from_folder(folder)))
         assert '"DFlash2DraftModel"' in card and "VLLM_USE_V2_MODEL_RUNNER=1" in card
         assert "step 6: 0.90/0.70 0.80/0.50" in card
+
+
+def test_a_planned_sampled_chain_still_samples_the_target_distribution():
+    """With measured costs the planner cuts chains (here to one of three proposals) under sampling too."""
+    from hf_dflash import VerifyCosts
+
+    target = peaky_target("llama")
+    draft = dflash2_sampling_draft(target)
+    exact = exact_joint(target, SETTINGS[0])
+    costs = VerifyCosts(verify=(1.0, 1.05, 9.0, 9.0), draft=0.0)  # a second proposal never pays
+    torch.manual_seed(5)
+    out = speculative_generate(target, draft, torch.tensor([[1, 4, 2, 0, 3]]).expand(6000, -1), max_new_tokens=4,
+                               optimize_cpu=False, verify_costs=costs, **SETTINGS[0])  # fmt: skip
+    samples = [tuple(row) for row in out.sequences[:, 5:8].tolist()]
+    assert out.stats.verified_drafts_per_round == 1 and out.stats.histogram[2] > 0
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+def test_a_sampled_chain_is_cut_before_anything_is_drawn(monkeypatch):
+    """The planned length of a sampled chain is the same whatever the draws: a length chosen after seeing them would
+    make the accepted tokens depend on the cut (the walk's later rows depend on its earlier draws)."""
+    from hf_dflash import VerifyCosts
+    from hf_dflash.decoding import speculative
+
+    planned, plan = [], speculative._planned
+    monkeypatch.setattr(speculative, "_planned", lambda *args: planned.append(plan(*args)) or planned[-1])
+    target = peaky_target("llama")
+    draft = dflash2_sampling_draft(target)
+    # costs at which planning from the drawn tokens' probabilities cuts the first chain to 1 or 2 proposals by seed
+    costs = VerifyCosts(verify=(1.0, 1.02, 1.1, 1.3), draft=0.0)
+    first_lengths, first_draws = set(), set()
+    for seed in range(24):
+        torch.manual_seed(seed)
+        planned.clear()
+        speculative_generate(target, draft, torch.tensor([[1, 4, 2, 0, 3]]), max_new_tokens=4, optimize_cpu=False,
+                             verify_costs=costs, **SETTINGS[0])  # fmt: skip
+        first_lengths.add(planned[0].num_nodes)  # the first round's: its state is the same for every seed
+        first_draws.add(tuple(planned[0].tokens[0].tolist()))
+    assert len(first_draws) > 5 and len(first_lengths) == 1 and first_lengths != {0}

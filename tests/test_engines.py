@@ -4,6 +4,9 @@ installs and recorded output), and the committed SmolLM2 drafter run by each eng
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from hf_dflash.engines import llama_cpp, openvino
@@ -59,17 +62,21 @@ def test_texts_agree_as_far_as_both_go():
     assert not llama_cpp.texts_agree("fiber = 5", "fiber = 4 bolts")
 
 
-@pytest.mark.slow
-def test_llama_cpp_runs_the_committed_drafter_near_our_tau_and_as_its_own_verification(tmp_path):
-    """The committed SmolLM2 drafter exported with its reduced vocabulary, run by llama.cpp on GSM8K prompts: its
-    greedy text is the one llama.cpp's speculative tool gives without DFlash (ngram drafts), and its mean accepted
-    length is near hf-dflash's whole-block tau on the fp32 weights of the same GGUF."""
-    torch = pytest.importorskip("torch")
+def built_llama_cpp_or_skip() -> llama_cpp.LlamaCpp:
     try:
         tree = llama_cpp.find_llama_cpp()
         tree.tool("llama-speculative-simple")
     except FileNotFoundError as error:
         pytest.skip(str(error))
+    return tree
+
+
+def engine_and_our_tau(tree, draft, check_text: bool = False) -> tuple[float, float]:
+    """llama.cpp's mean accepted length and hf-dflash's whole-block tau for `draft` (exported with its reduced
+    vocabulary) on SmolLM2's fp32 weights, three GSM8K prompts, 96 new tokens each; with `check_text`, llama.cpp's
+    DFlash text is also the one its speculative tool gives without a drafter (ngram drafts)."""
+    import torch
+
     from hf_dflash import loading, speculative_generate
     from hf_dflash.data.chat import apply_chat_template, encode_prompt
     from hf_dflash.data.prompts import load_prompts
@@ -77,77 +84,78 @@ def test_llama_cpp_runs_the_committed_drafter_near_our_tau_and_as_its_own_verifi
 
     name = "smollm2-135m-instruct"
     target, tokenizer = loading.load_target_and_tokenizer(name, device="cpu", dtype="float32")
-    draft = loading.load_draft(loading.committed_drafter(name), target)
+    draft = draft(target)
     target_gguf = locate_gguf(name)
-    gguf = llama_cpp.export_draft_gguf(draft, target, converted_target_folder(name), target_gguf, tmp_path / "d.gguf")
-    engine_tokens = engine_steps = our_tokens = our_steps = 0
-    for prompt in load_prompts("gsm8k", limit=3):
-        text = apply_chat_template(tokenizer, prompt)
-        run = {"max_new_tokens": 96, "draft_tokens": draft.config.block_size - 1}
-        dflash = llama_cpp.run_speculative(target_gguf, text, draft_gguf=gguf, llama_cpp=tree, **run)
-        ngram = llama_cpp.run_speculative(target_gguf, text, spec_type="ngram-simple", llama_cpp=tree, **run)
-        assert llama_cpp.texts_agree(dflash.text, ngram.text)
-        engine_tokens += dflash.mean_accepted_length * dflash.draft_passes
-        engine_steps += dflash.draft_passes
-        ids = torch.tensor([encode_prompt(tokenizer, prompt)])
-        ours = speculative_generate(target, draft, ids, max_new_tokens=96, tree=False, optimize_cpu=False)
-        our_tokens += sum(ours.stats.acceptance_lengths)
-        our_steps += len(ours.stats.acceptance_lengths)
-    assert engine_tokens / engine_steps == pytest.approx(our_tokens / our_steps, rel=0.10)  # the issue's bar
+    with tempfile.TemporaryDirectory() as scratch:
+        gguf = llama_cpp.export_draft_gguf(
+            draft, target, converted_target_folder(name), target_gguf, Path(scratch) / "d.gguf"
+        )
+        engine_tokens = engine_steps = our_tokens = our_steps = 0
+        for prompt in load_prompts("gsm8k", limit=3):
+            text = apply_chat_template(tokenizer, prompt)
+            run = {"max_new_tokens": 96, "draft_tokens": draft.config.block_size - 1}
+            dflash = llama_cpp.run_speculative(target_gguf, text, draft_gguf=gguf, llama_cpp=tree, **run)
+            if check_text:
+                ngram = llama_cpp.run_speculative(target_gguf, text, spec_type="ngram-simple", llama_cpp=tree, **run)
+                assert llama_cpp.texts_agree(dflash.text, ngram.text)
+            engine_tokens += dflash.mean_accepted_length * dflash.draft_passes
+            engine_steps += dflash.draft_passes
+            ids = torch.tensor([encode_prompt(tokenizer, prompt)])
+            ours = speculative_generate(target, draft, ids, max_new_tokens=96, tree=False, optimize_cpu=False)
+            our_tokens += sum(ours.stats.acceptance_lengths)
+            our_steps += len(ours.stats.acceptance_lengths)
+    return engine_tokens / engine_steps, our_tokens / our_steps
 
 
 @pytest.mark.slow
-def test_llama_cpp_runs_a_dflash2_drafter_near_our_tau(tmp_path):
+def test_llama_cpp_runs_the_committed_drafter_near_our_tau_and_as_its_own_verification():
+    """The committed SmolLM2 drafter exported with its reduced vocabulary, run by llama.cpp on GSM8K prompts: its
+    greedy text is the one llama.cpp's speculative tool gives without DFlash (ngram drafts), and its mean accepted
+    length is near hf-dflash's whole-block tau on the fp32 weights of the same GGUF."""
+    pytest.importorskip("torch")
+    from hf_dflash import loading
+
+    committed = loading.committed_drafter("smollm2-135m-instruct")
+    engine, ours = engine_and_our_tau(built_llama_cpp_or_skip(), lambda t: loading.load_draft(committed, t), True)
+    assert engine == pytest.approx(ours, rel=0.10)  # the issue's bar
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_a_dflash2_drafter_near_our_tau():
     """A DFlash2 drafter (the committed SmolLM2 drafter converted, with a seeded random selector that overrules its
     argmax: the walk is what is compared), exported with its reduced vocabulary and run by llama.cpp's DFlash2
     runtime on three GSM8K prompts: llama.cpp's mean accepted length is within 10% of our whole-block tau."""
     torch = pytest.importorskip("torch")
-    try:
-        tree = llama_cpp.find_llama_cpp()
-        tree.tool("llama-speculative-simple")
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    from hf_dflash import loading, speculative_generate
-    from hf_dflash.data.chat import apply_chat_template, encode_prompt
-    from hf_dflash.data.prompts import load_prompts
-    from hf_dflash.targets import converted_target_folder, locate_gguf
+    from hf_dflash import loading
     from hf_dflash.training.draft_init import dflash2_from_dflash
 
-    name = "smollm2-135m-instruct"
-    target, tokenizer = loading.load_target_and_tokenizer(name, device="cpu", dtype="float32")
-    v1 = loading.load_draft(loading.committed_drafter(name), target)
-    draft = dflash2_from_dflash(v1, selector_rank=32, selector_top_k=8).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
+    overruled = []
+
+    def dflash2_drafter(target):
+        v1 = loading.load_draft(loading.committed_drafter("smollm2-135m-instruct"), target)
+        draft = dflash2_from_dflash(v1, selector_rank=32, selector_top_k=8).eval()
+        generator = torch.Generator().manual_seed(0)
         selector = draft.candidate_selector
-        for parameter, scale in [(selector.successor_codebook, 0.5), (selector.predecessor_codebook, 0.5)]:
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
-        selector.hidden_projection.weight.copy_(
-            torch.randn(selector.hidden_projection.weight.shape, generator=generator) * 0.05
-        )
-    target_gguf = locate_gguf(name)
-    gguf = llama_cpp.export_draft_gguf(draft, target, converted_target_folder(name), target_gguf, tmp_path / "d.gguf")
-    engine_tokens = engine_steps = our_tokens = our_steps = 0
-    overruled, select_chain = [], draft.select_chain
+        with torch.no_grad():
+            for parameter, scale in [
+                (selector.successor_codebook, 0.5),
+                (selector.predecessor_codebook, 0.5),
+                (selector.hidden_projection.weight, 0.05),
+            ]:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+        select_chain = draft.select_chain
 
-    def counting_select_chain(*args, **kwargs):  # slots where the walk left the unary argmax
-        tokens, candidates, chain = select_chain(*args, **kwargs)
-        overruled.append(int((tokens != candidates[..., 0]).sum()))
-        return tokens, candidates, chain
+        def counting_select_chain(*args, **kwargs):  # slots where the walk left the unary argmax
+            tokens, candidates, chain = select_chain(*args, **kwargs)
+            overruled.append(int((tokens != candidates[..., 0]).sum()))
+            return tokens, candidates, chain
 
-    draft.select_chain = counting_select_chain
-    for prompt in load_prompts("gsm8k", limit=3):
-        text = apply_chat_template(tokenizer, prompt)
-        run = {"max_new_tokens": 96, "draft_tokens": draft.config.block_size - 1}
-        dflash = llama_cpp.run_speculative(target_gguf, text, draft_gguf=gguf, llama_cpp=tree, **run)
-        engine_tokens += dflash.mean_accepted_length * dflash.draft_passes
-        engine_steps += dflash.draft_passes
-        ids = torch.tensor([encode_prompt(tokenizer, prompt)])
-        ours = speculative_generate(target, draft, ids, max_new_tokens=96, optimize_cpu=False)
-        our_tokens += sum(ours.stats.acceptance_lengths)
-        our_steps += len(ours.stats.acceptance_lengths)
-    assert sum(overruled) > 0  # the selector's walk, not v1's argmax, is what the engines agree on
-    assert engine_tokens / engine_steps == pytest.approx(our_tokens / our_steps, rel=0.10)  # the issue's bar
+        draft.select_chain = counting_select_chain
+        return draft
+
+    engine, ours = engine_and_our_tau(built_llama_cpp_or_skip(), dflash2_drafter)
+    assert sum(overruled) > 0  # the selector's walk, not v1's argmax, is what the two agree on
+    assert engine == pytest.approx(ours, rel=0.10)  # the issue's bar
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

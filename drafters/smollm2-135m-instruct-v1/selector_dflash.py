@@ -136,31 +136,43 @@ class DFlashCandidateSelector(nn.Module):
         )
         projected = self.hidden_projection(hidden)  # [b, S, R]
         scores = unary[..., None, :] + self.pairwise_scores(projected, previous, candidate_ids)  # [b, S, K, K]
-        return SelectorLattice(candidate_ids=candidate_ids, scores=scores)
+        return SelectorLattice(candidate_ids=candidate_ids, unary_scores=unary, scores=scores)
 
 
 @dataclass
 class SelectorLattice:
-    """A drafted block's candidates and scores: `candidate_ids` `[b, S, K]` (draft ids, best unary first) and
-    `scores` `[b, S, K, K]`, `scores[:, i, p, c]` for candidate c of slot i after candidate p of slot i - 1 (slot 0's
-    rows all follow the anchor)."""
+    """A drafted block's candidates and scores: `candidate_ids` `[b, S, K]` (draft ids, best unary first), their unary
+    logits `unary_scores` `[b, S, K]`, and `scores` `[b, S, K, K]`, `scores[:, i, p, c]` for candidate c of slot i after
+    candidate p of slot i - 1 (slot 0's rows all follow the anchor)."""
 
     candidate_ids: torch.LongTensor
+    unary_scores: torch.Tensor
     scores: torch.Tensor
 
 
 @dataclass
 class SelectorChain:
     """The walked chain: `draft_ids` `[b, S]`, the index of each choice among its slot's candidates `choices` `[b, S]`,
-    and the row each choice was made from `row_scores` `[b, S, K]` (the walk's logits over the candidates)."""
+    the row each choice was made from `row_scores` `[b, S, K]` (the walk's logits over the candidates), and the
+    slots' unary logits `unary_scores` `[b, S, K]`, which do not depend on the walk's choices."""
 
     draft_ids: torch.LongTensor
     choices: torch.LongTensor
     row_scores: torch.Tensor
+    unary_scores: torch.Tensor
 
     def proposal_probs(self, temperature: float = 1.0) -> torch.Tensor:
         """`[b, S, K]` the walk's distribution over each slot's candidates, `softmax(row / temperature)`."""
         return (self.row_scores / temperature).softmax(-1)
+
+    def chosen_probs(self) -> torch.Tensor:
+        """`[b, S]` each choice's probability in its row at temperature 1 (a greedy chain's confidence)."""
+        return self.proposal_probs().gather(-1, self.choices[..., None])[..., 0]
+
+    def unary_confidence(self, temperature: float = 1.0) -> torch.Tensor:
+        """`[b, S]` each slot's most likely candidate's probability under its unary logits alone: known before any
+        choice is drawn, so a sampled chain's length can be planned from it without biasing what is sampled."""
+        return (self.unary_scores / temperature).softmax(-1).amax(-1)
 
 
 def walk_lattice(lattice: SelectorLattice, temperature: float | None = None) -> SelectorChain:
@@ -180,7 +192,8 @@ def walk_lattice(lattice: SelectorLattice, temperature: float | None = None) -> 
         rows.append(row)
         previous = choice[:, :, None]
     choices = torch.cat(choices, dim=1)  # [b, S]
-    return SelectorChain(candidate_ids.gather(-1, choices[..., None])[..., 0], choices, torch.stack(rows, dim=1))
+    draft_ids = candidate_ids.gather(-1, choices[..., None])[..., 0]
+    return SelectorChain(draft_ids, choices, torch.stack(rows, dim=1), lattice.unary_scores)
 
 
 __all__ = [

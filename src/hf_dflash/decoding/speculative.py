@@ -48,7 +48,6 @@ from hf_dflash.model.generation_dflash import (
     draft_logits_full_vocabulary,
     is_dflash2,
     pad_token_id_of,
-    selector_proposals,
     synchronized_clock,
     token_ids,
     warp_logits,
@@ -558,19 +557,24 @@ def _sampled_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> P
 
 
 def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> Proposal:
-    """DFlash2: the selector's walked chain (sampled at the temperature when sampling proposals), its length planned
-    from the walk's own probabilities; under sampling `q` is the walk's distribution (one-hot for a greedy walk)."""
+    """DFlash2: the selector's walked chain, greedy or (sampling proposals) drawn at the temperature. A greedy chain's
+    length is planned from its choices' probabilities; a sampled one's from the unary confidences, known before
+    anything is drawn (a length chosen after seeing the draws would bias them). Under sampling `q` is the walk's
+    distribution over each slot's candidates, zero elsewhere (one-hot for a greedy walk)."""
     sampled = setup.do_sample and setup.sample_proposals
+    temperature = setup.temperature if sampled else None
     lm_head = setup.target.get_output_embeddings()
-    tokens, logits = selector_proposals(
-        setup.draft, lm_head, hidden, state.bonus, setup.temperature if sampled else None
-    )
-    q = logits.softmax(-1)  # [b, S, V], zero outside each slot's candidates
-    confidence = q.gather(-1, tokens[..., None])[..., 0]  # [b, S]
-    if setup.do_sample and not sampled:
-        q = torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype)
+    tokens, candidates, walk = setup.draft.select_chain(hidden, lm_head, state.bonus, temperature)
+    confidence = walk.unary_confidence(temperature) if sampled else walk.chosen_probs()  # [b, S]
     tree = _planned(setup, state, chain(tokens, confidence))
-    return Proposal(tree, q[:, : tree.num_nodes] if setup.do_sample else None)
+    if not setup.do_sample:
+        return Proposal(tree)
+    vocab = lm_head.weight.shape[0]
+    if sampled:
+        q = walk.row_scores.new_zeros(*tokens.shape, vocab).scatter_(-1, candidates, walk.proposal_probs(temperature))
+    else:
+        q = torch.nn.functional.one_hot(tokens, vocab).to(walk.row_scores.dtype)
+    return Proposal(tree, q[:, : tree.num_nodes])
 
 
 def _planned(setup: _Setup, state: DecodeState, candidates: DraftTree) -> DraftTree:
