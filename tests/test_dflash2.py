@@ -698,3 +698,21 @@ def test_a_sampled_chain_is_cut_before_anything_is_drawn(monkeypatch):
         first_lengths.add(planned[0].num_nodes)  # the first round's: its state is the same for every seed
         first_draws.add(tuple(planned[0].tokens[0].tolist()))
     assert len(first_draws) > 5 and len(first_lengths) == 1 and first_lengths != {0}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_exact_cpu_mode_bf16_greedy_with_a_dflash2_drafter_is_plain_decoding(family):
+    """bf16 in exact CPU mode, target and DFlash2 drafter prepared by `optimize_for_cpu` (its conv and selector
+    projections too): both paths give plain decoding's tokens."""
+    from hf_dflash import optimize_for_cpu
+
+    target = make_target(family, dtype=torch.bfloat16)
+    optimize_for_cpu(target, exact=True)
+    prompt = torch.randint(0, VOCAB - 1, (10,), generator=torch.Generator().manual_seed(2))
+    reference = greedy_reference(target, prompt, 40)
+    draft = steered_dflash2(target, [reference]).to(torch.bfloat16)
+    ours = speculative_generate(target, draft, prompt[None], max_new_tokens=40)  # prepares the drafter too
+    assert ours.sequences[0].tolist() == reference.tolist() and max(ours.stats.acceptance_lengths) >= 3
+    with torch.no_grad():
+        assisted = target.generate(prompt[None], assistant_model=draft, max_new_tokens=40, do_sample=False)
+    assert assisted[0].tolist() == reference.tolist()
