@@ -90,8 +90,9 @@ def test_demo_command_confirms_identical_output(capsys):
     from hf_dflash.cli import main
 
     assert main(["demo", "--max-new-tokens", "24"]) == 0
-    last_line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert '"identical": true' in last_line
+    printed = capsys.readouterr().out
+    assert "prompt:" in printed and "Natalia sold clips" in printed  # the question is shown before the answer
+    assert '"identical": true' in printed.strip().splitlines()[-1]
 
 
 def test_committed_drafter_exports_the_real_target_heads_draft_rows(smollm2, tmp_path):

@@ -132,9 +132,13 @@ def _drafter(draft_path: str | None, target, tokenizer, block_size: int):
 
 
 def _print_comparison(comparison: PathComparison, tokenizer) -> None:
-    """The text, each path's rate and seconds, tau, the agreement, and the summary as JSON last."""
+    """The prompt and the text, each path's rate and seconds, tau, the agreement, and the summary as JSON last."""
     from hf_dflash.bench.paths import PLAIN
 
+    print(
+        "prompt:", tokenizer.decode(comparison.sequences[PLAIN][0, : comparison.prompt_len], skip_special_tokens=True)
+    )
+    print("answer:")
     print(tokenizer.decode(comparison.sequences[PLAIN][0, comparison.prompt_len :], skip_special_tokens=True))
     print()
     rates = comparison.tokens_per_second()
