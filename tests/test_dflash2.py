@@ -608,6 +608,8 @@ def test_train_command_converts_a_v1_drafter(tmp_path):
     assert main(argv) == 0
     trained = DFlashForDrafting.from_pretrained(tmp_path / "out")
     assert trained.config.variant == "dflash2" and trained.config.selector_rank == 8
+    info = json.loads((tmp_path / "out" / "training_info.json").read_text())
+    assert info["training"]["draft_init"].startswith("converted to DFlash2 from the DFlash drafter")
     assert trained.candidate_selector.successor_codebook.abs().sum() > 0  # two steps moved it from zero
 
 

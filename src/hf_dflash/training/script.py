@@ -216,7 +216,7 @@ def train(
     split = len(dataset) - script.acceptance_holdout
     train_dataset = dataset.select(range(split))
     prompts = held_out_prompts(dataset, script.acceptance_holdout)
-    draft = _initial_draft(script, args, target, tokenizer)
+    draft, draft_start = _initial_draft(script, args, target, tokenizer)
     if script.draft_vocab_size:  # the LM head is the target's: choosing the rows anew loses nothing learned
         draft.resize_draft_vocabulary(frequent_response_tokens(train_dataset, script.draft_vocab_size, target))
     elif draft.draft_token_ids is not None:  # a kept vocabulary (an adapter, a continued drafter) may miss new tokens
@@ -227,7 +227,7 @@ def train(
         args=args,
         train_dataset=train_dataset,
         acceptance_prompts=prompts,
-        training_info=_training_info(script, train_dataset, tokenizer),
+        training_info=_training_info(script, train_dataset, tokenizer, draft_start),
         peft_config=script.peft_config(),
     )
     before = trainer.measure_real_acceptance()["real_tau"] if prompts else None
@@ -284,7 +284,8 @@ def _is_complete(folder: Path) -> bool:
 
 def _initial_draft(
     script: TrainScriptArguments, args: DFlashTrainingArguments, target, tokenizer
-) -> DFlashForDrafting:
+) -> tuple[DFlashForDrafting, str | None]:
+    """The drafter to train, and for one that continues `--init_draft` how it started (for its card)."""
     if script.init_draft:
         return _continued_draft(script.init_draft, args, target)
     overrides = {
@@ -297,23 +298,29 @@ def _initial_draft(
     if script.draft_vocab_size:
         overrides["draft_vocab_size"] = script.draft_vocab_size
     torch.manual_seed(args.seed)
-    return DFlashForDrafting.from_target(
+    draft = DFlashForDrafting.from_target(
         target, num_hidden_layers=args.num_draft_layers, block_size=args.block_size, tokenizer=tokenizer, **overrides
     )
+    return draft, None
 
 
 def _dflash2_fields(args: DFlashTrainingArguments) -> dict[str, int]:
     return {name: getattr(args, name) for name in ("selector_rank", "selector_top_k", "conv_group_size")}
 
 
-def _continued_draft(init_draft: str, args: DFlashTrainingArguments, target) -> DFlashForDrafting:
-    """The `--init_draft` drafter; a DFlash (v1) one converted to DFlash2 when `--variant dflash2` asks for it."""
+def _continued_draft(init_draft: str, args: DFlashTrainingArguments, target) -> tuple[DFlashForDrafting, str]:
+    """The `--init_draft` drafter (a DFlash (v1) one converted to DFlash2 when `--variant dflash2` asks for it), and
+    how it started."""
     draft = load_draft(init_draft, target)
     if args.variant == draft.config.variant:
-        return draft
+        return draft, f"continued from {init_draft}"
     if args.variant == "dflash2":
         logger.info(f"Converting the DFlash drafter {init_draft} to DFlash2 (its proposals unchanged at step 0).")
-        return dflash2_from_dflash(draft, **_dflash2_fields(args))
+        converted = dflash2_from_dflash(draft, **_dflash2_fields(args))
+        return (
+            converted,
+            f"converted to DFlash2 from the DFlash drafter {init_draft} (identity convolutions, zero successor codebook)",
+        )
     raise ValueError(
         f"--init_draft {init_draft} is a DFlash2 drafter and --variant is {args.variant!r}: a DFlash2 drafter cannot "
         "become v1 again. Pass --variant dflash2 to continue it."
@@ -397,7 +404,7 @@ def prompt_format(tokenizer) -> str | bool | None:
     return RESPONSES_TEMPLATE if getattr(tokenizer, "chat_template", None) else False
 
 
-def _training_info(script: TrainScriptArguments, train_dataset, tokenizer) -> dict:
+def _training_info(script: TrainScriptArguments, train_dataset, tokenizer, draft_start: str | None) -> dict:
     sources = (
         Counter(name for name in train_dataset["source"] if name) if "source" in train_dataset.column_names else {}
     )
@@ -412,7 +419,7 @@ def _training_info(script: TrainScriptArguments, train_dataset, tokenizer) -> di
             "chat_template": prompt_format(tokenizer),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
         }
-        | ({"draft_init": f"continued from {script.init_draft}"} if script.init_draft else {}),
+        | ({"draft_init": draft_start} if draft_start else {}),
     }
 
 
