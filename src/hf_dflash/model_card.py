@@ -132,7 +132,8 @@ def render_model_card(info: DrafterCardInfo) -> ModelCard:
     return ModelCard.from_template(
         card_data,
         template_path=str(resources.files("hf_dflash") / "hub_cards" / TEMPLATE),
-        title=f"DFlash drafter {'adapter ' if info.base_drafter else ''}for {info.target_name or short_name}",
+        title=f"{'DFlash2' if info.variant == 'dflash2' else 'DFlash'} drafter {'adapter ' if info.base_drafter else ''}"
+        f"for {info.target_name or short_name}",
         base_model=info.base_model,
         base_model_is_repo=base_model_is_repo,
         repo_id=repo_id,
