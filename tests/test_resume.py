@@ -168,5 +168,6 @@ def test_checkpoints_hold_the_draft_only(workspace, uninterrupted):
     moments = [state["exp_avg"] for state in optimizer["state"].values()]
     trainable = [p for p in draft.parameters() if p.requires_grad]
     assert sorted(m.numel() for m in moments) == sorted(p.numel() for p in trainable)  # no target parameter
-    assert sum(path.stat().st_size for path in checkpoint.rglob("*")) < 4 * draft_bytes  # weights + 2 moments + ...
+    files = [path for path in checkpoint.rglob("*") if path.suffix != ".py"]  # the remote code is a fixed ~110 KB
+    assert sum(path.stat().st_size for path in files) < 4 * draft_bytes  # weights + 2 moments + ...
     assert (checkpoint / "rng_state.pth").exists()  # what makes the resumed run draw the same batches
