@@ -9,8 +9,8 @@ and `run` builds the real parser, whose `--help` lists DFlash's flags by group, 
 any model loads.
 
 Importing `TrainingArguments` costs seconds (torch, peft), so `--help` is rendered once and kept in a cache file
-(`train_help_cache`) keyed by everything the text depends on: the files that declare the flags, the versions of
-transformers, peft and accelerate, and the terminal width. Later `--help`s print the file without importing either.
+(`train_help_cache`) keyed by everything the text can depend on: the package's source, the versions of transformers,
+peft and accelerate, and the terminal width. Later `--help`s print the file without importing either.
 """
 
 from __future__ import annotations
@@ -63,24 +63,15 @@ def train_parser() -> argparse.ArgumentParser:
     )
 
 
-# The files whose fields or text make `train --help` (relative to the package), and the packages whose fields it lists.
-HELP_SOURCES = (
-    "arguments.py",
-    "loading.py",
-    "training/arguments.py",
-    "training/script.py",
-    "cli/train.py",
-    "cli/flags.py",
-)
-HELP_PACKAGES = ("transformers", "peft", "accelerate")
+HELP_PACKAGES = ("transformers", "peft", "accelerate")  # whose fields `train --help` lists
 
 
 def train_help_cache() -> Path:
     """The file that holds `hf-dflash train --help` for this installation and terminal width."""
     package = Path(__file__).resolve().parent.parent
     key = hashlib.sha256()
-    for name in HELP_SOURCES:
-        key.update((package / name).read_bytes())
+    for path in sorted(package.rglob("*.py")):  # every source file: no list of the ones that declare flags to keep
+        key.update(path.read_bytes())
     for name in HELP_PACKAGES:
         key.update(_installed_version(name).encode())
     key.update(str(shutil.get_terminal_size().columns).encode())
