@@ -718,3 +718,16 @@ def test_exact_cpu_mode_bf16_greedy_with_a_dflash2_drafter_is_plain_decoding(fam
     with torch.no_grad():
         assisted = target.generate(prompt[None], assistant_model=draft, max_new_tokens=40, do_sample=False)
     assert assisted[0].tolist() == reference.tolist()
+
+
+def test_resizing_a_dflash2_vocabulary_moves_the_codebook_rows_with_their_tokens(target):
+    draft = make_draft(target, block_size=BLOCK, draft_vocab_size=8, **SELECTOR)
+    draft.set_draft_vocabulary(torch.tensor([2, 4, 6, 8, 10, 12, 14, 16]))
+    with torch.no_grad():
+        draft.candidate_selector.successor_codebook.normal_()
+    before = draft.candidate_selector.successor_codebook.detach().clone()
+    draft.resize_draft_vocabulary(torch.tensor([1, 4, 8, 9, 12, 30]))
+    after = draft.candidate_selector.successor_codebook.detach()
+    assert after.shape == (6, RANK) and draft.candidate_selector.predecessor_codebook.shape == (6, RANK)
+    assert torch.equal(after[[1, 2, 4]], before[[1, 3, 5]])  # tokens 4, 8, 12 keep their rows
+    assert not after[[0, 3, 5]].any()  # tokens 1, 9, 30 are new: zero rows

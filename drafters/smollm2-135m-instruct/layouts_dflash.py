@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from .configuration_dflash import DFLASH2_FIELDS, DFlashConfig
+from .selector_dflash import reindex_rows
 
 logger = logging.get_logger(__name__)
 
@@ -146,8 +147,8 @@ def codebook_over_vocabulary(
     codebook: torch.Tensor, draft_token_ids: torch.Tensor, config: DFlashConfig
 ) -> torch.Tensor:
     """`[V_d, R]` codebook rows of the draft ids -> `[V, R]` indexed by target id, zero elsewhere."""
-    full = codebook.new_zeros(config.vocab_size, codebook.shape[1])
-    return full.index_copy_(0, draft_token_ids, codebook).contiguous()
+    every_token = torch.arange(config.vocab_size, device=codebook.device)
+    return reindex_rows(codebook, draft_token_ids.to(codebook.device), every_token).contiguous()
 
 
 def warn_about_zlab_readers(config: DFlashConfig, full_vocabulary: bool) -> None:

@@ -44,6 +44,14 @@ def block_causal_shift(x: torch.Tensor, tau: int, block_size: int) -> torch.Tens
     return shifted * inside.view(1, -1, *([1] * (x.dim() - 2)))
 
 
+def reindex_rows(rows: torch.Tensor, old_token_ids: torch.LongTensor, new_token_ids: torch.LongTensor) -> torch.Tensor:
+    """`[len(old), R]` rows of the sorted target ids `old_token_ids` -> `[len(new), R]` rows of `new_token_ids`: a token
+    in both keeps its row, a token new to the vocabulary gets a zero row (a codebook row with no pairwise score)."""
+    index = torch.searchsorted(old_token_ids, new_token_ids).clamp(max=old_token_ids.shape[0] - 1)
+    kept = old_token_ids[index] == new_token_ids
+    return rows[index] * kept[:, None].to(rows.dtype)
+
+
 class DFlashSublayerConv(nn.Module):
     """DFlash2's grouped dynamic causal depthwise convolution around one sublayer (its input and its output).
 
@@ -93,13 +101,10 @@ class DFlashCandidateSelector(nn.Module):
 
     @torch.no_grad()
     def move_codebook_rows(self, old_token_ids: torch.LongTensor, new_token_ids: torch.LongTensor) -> None:
-        """Re-index both codebooks from the draft vocabulary `old_token_ids` to `new_token_ids` (sorted target ids): a
-        token in both keeps its rows, a new one gets zero rows."""
-        index = torch.searchsorted(old_token_ids, new_token_ids).clamp(max=old_token_ids.shape[0] - 1)
-        kept = old_token_ids[index] == new_token_ids
+        """Re-index both codebooks from the draft vocabulary `old_token_ids` to `new_token_ids` (`reindex_rows`)."""
         for name in ("predecessor_codebook", "successor_codebook"):
             old = getattr(self, name)
-            rows = old[index] * kept[:, None].to(old.dtype)  # [V_new, R]
+            rows = reindex_rows(old, old_token_ids, new_token_ids)
             setattr(self, name, nn.Parameter(rows, requires_grad=old.requires_grad))
 
     def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -202,5 +207,6 @@ __all__ = [
     "SelectorChain",
     "SelectorLattice",
     "block_causal_shift",
+    "reindex_rows",
     "walk_lattice",
 ]
