@@ -75,11 +75,9 @@ def dflash2_from_dflash(draft: DFlashForDrafting, **fields: object) -> DFlashFor
     unknown = sorted(set(fields) - set(DFLASH2_FIELDS))
     if unknown:
         raise ValueError(f"dflash2_from_dflash sets only the DFlash2 fields {list(DFLASH2_FIELDS)}; got {unknown}.")
-    config = draft.config.to_dict() | {"variant": "dflash2", **fields}
-    for name in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path"):
-        config.pop(name, None)
+    config = type(draft.config).from_dict(draft.config.to_dict() | {"variant": "dflash2", **fields})
     with draft.device:
-        converted = DFlashForDrafting._from_config(type(draft.config)(**config), dtype=draft.dtype)
+        converted = DFlashForDrafting._from_config(config, dtype=draft.dtype)
     result = converted.load_state_dict(draft.state_dict(), strict=False)
     if result.unexpected_keys or any("conv" not in key and "selector" not in key for key in result.missing_keys):
         raise RuntimeError(f"dflash2_from_dflash: weights did not carry over ({result}).")
