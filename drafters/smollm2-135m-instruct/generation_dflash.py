@@ -267,17 +267,23 @@ def is_dflash2(draft: Any) -> bool:
     return getattr(draft.config, "variant", "dflash") == "dflash2"
 
 
+def walk_logits(chain: Any, candidates: torch.LongTensor, temperature: float | None, vocab_size: int) -> torch.Tensor:
+    """`[b, S, V]` logits of a DFlash2 walk over the whole vocabulary: each row's scores over its K candidates
+    (`candidates` `[b, S, K]`, target ids) divided by the temperature, -inf elsewhere; their softmax is the
+    distribution `q` each proposal was drawn from."""
+    rows = chain.row_scores / (temperature or 1.0)  # [b, S, K]
+    logits = rows.new_full((*rows.shape[:-1], vocab_size), float("-inf"))
+    return logits.scatter_(-1, candidates, rows)
+
+
 def selector_proposals(
     draft: Any, lm_head: Any, hidden_states: torch.Tensor, anchor_ids: torch.LongTensor, temperature: float | None
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """DFlash2's proposals for drafted slots `[b, S, H]` after the `[b]` anchors: the selector's walked chain `[b, S]`
     (greedy with `temperature` None or 0, else sampled at it) and the walk's logits over the whole vocabulary
-    `[b, S, V]` (each row's scores over its K candidates, divided by the temperature; -inf elsewhere), whose softmax is
-    the distribution `q` each proposal was drawn from."""
+    (`walk_logits`)."""
     tokens, candidates, chain = draft.select_chain(hidden_states, lm_head, anchor_ids, temperature)
-    rows = chain.row_scores / (temperature or 1.0)  # [b, S, K]
-    logits = rows.new_full((*rows.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
-    return tokens, logits.scatter_(-1, candidates, rows)
+    return tokens, walk_logits(chain, candidates, temperature, lm_head.weight.shape[0])
 
 
 def greedy_head_step(draft: Any, lm_head: Any, hidden_states: torch.Tensor, anchor_ids: torch.LongTensor) -> Any:
@@ -562,5 +568,6 @@ __all__ = [
     "is_dflash_draft",
     "noise_block",
     "selector_proposals",
+    "walk_logits",
     "warp_logits",
 ]

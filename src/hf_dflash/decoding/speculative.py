@@ -50,6 +50,7 @@ from hf_dflash.model.generation_dflash import (
     pad_token_id_of,
     synchronized_clock,
     token_ids,
+    walk_logits,
     warp_logits,
 )
 
@@ -571,7 +572,7 @@ def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> 
         return Proposal(tree)
     vocab = lm_head.weight.shape[0]
     if sampled:
-        q = walk.row_scores.new_zeros(*tokens.shape, vocab).scatter_(-1, candidates, walk.proposal_probs(temperature))
+        q = walk_logits(walk, candidates, temperature, vocab).softmax(-1)
     else:
         q = torch.nn.functional.one_hot(tokens, vocab).to(walk.row_scores.dtype)
     return Proposal(tree, q[:, : tree.num_nodes])
