@@ -14,6 +14,7 @@ PACKAGE = ROOT / "src" / "hf_dflash"
 # Each unit (a folder, or a top-level module) may import only units on lower floors.
 FLOORS = {
     "atomic_files": 0,
+    "lazy_names": 0,  # the packages' names imported on first use
     "offline": 0,  # the packaged targets and prompt sets, named without torch
     "arguments": 1,  # TargetArguments and the naming rules of a model, without torch
     "model": 1,

@@ -14,13 +14,12 @@ and `data/` <- `training/` <- `bench/` <- `cli/`. Every public name loads on fir
 The Auto classes learn the `dflash` model type when `hf_dflash.model` is first imported (`hf_dflash/model/__init__.py`).
 """
 
-import importlib
-from typing import Any
+from hf_dflash.lazy_names import lazy_names
 
 __version__ = "0.1.0"
 
-# Every public name and the module that defines it, imported on first use (PEP 562), as transformers' own names are:
-# `import hf_dflash` stays light, so `hf-dflash --help` answers without importing torch.
+# Every public name and the module that defines it, imported on first use (`hf_dflash.lazy_names`): `import hf_dflash`
+# stays light, so `hf-dflash --help` answers without importing torch.
 _MODULES = {
     "hf_dflash.decoding.cpu_kernels": ("CPUPreparation", "KernelChoices", "is_optimized_for_cpu", "optimize_for_cpu"),
     "hf_dflash.decoding.policy": ("VerifyCosts", "VerifyPlanner", "measure_verify_costs"),
@@ -34,40 +33,4 @@ _MODULES = {
     "hf_dflash.model.modeling_dflash": ("DFlashForDrafting", "DFlashLayouts", "choose_mask_token_id"),
     "hf_dflash.training": ("DFlashTrainer", "DFlashTrainingArguments"),
 }
-_MODULE_OF = {name: module for module, names in _MODULES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'hf_dflash' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
-    globals()[name] = value  # the next lookup does not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MODULE_OF))
-
-
-__all__ = [
-    "CPUPreparation",
-    "DFlashCandidateGenerator",
-    "DFlashConfig",
-    "DFlashForDrafting",
-    "DFlashLayouts",
-    "DFlashTrainer",
-    "DFlashTrainingArguments",
-    "KernelChoices",
-    "SpeculativeOutput",
-    "SpeculativeStats",
-    "VerifyCosts",
-    "VerifyPlanner",
-    "check_draft_fits_target",
-    "choose_mask_token_id",
-    "default_target_layer_ids",
-    "enable_dflash_generate",
-    "is_optimized_for_cpu",
-    "measure_verify_costs",
-    "optimize_for_cpu",
-    "speculative_generate",
-]
+__getattr__, __dir__, __all__ = lazy_names(__name__, _MODULES, globals())
