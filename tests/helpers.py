@@ -26,6 +26,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from hf_dflash import DFlashForDrafting
 from hf_dflash.data import tokens
 
+# The remote-code files `save_pretrained` copies next to a drafter's weights (and the committed drafters carry).
+HUB_FILES = tuple(
+    sorted(path.name for path in (Path(__file__).parent.parent / "src/hf_dflash/model").glob("*_dflash.py"))
+)
+
 VOCAB = 96
 PAD = VOCAB - 1  # never emitted by the rigged targets below; doubles as the mask token
 

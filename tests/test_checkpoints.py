@@ -18,7 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from helpers import PAD, VOCAB, make_draft, make_target
+from helpers import HUB_FILES, PAD, VOCAB, make_draft, make_target
 from safetensors import safe_open
 from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 from transformers.cache_utils import DFlashCache
@@ -26,9 +26,6 @@ from transformers.cache_utils import DFlashCache
 from hf_dflash import DFlashConfig, DFlashForDrafting
 from hf_dflash.model.modeling_dflash import NATIVE_KEY_MAPPING
 
-REMOTE_CODE_FILES = tuple(
-    sorted(path.name for path in (Path(__file__).parent.parent / "src/hf_dflash/model").glob("*_dflash.py"))
-)
 HIDDEN = 64  # helpers' llama target
 
 
@@ -120,7 +117,7 @@ def test_default_layout_round_trip(draft, tmp_path):
         "AutoConfig": "configuration_dflash.DFlashConfig",
         "AutoModel": "modeling_dflash.DFlashForDrafting",
     }
-    for name in REMOTE_CODE_FILES:
+    for name in HUB_FILES:
         assert (tmp_path / name).is_file(), name
     with safe_open(tmp_path / "model.safetensors", "pt") as weights:
         assert not any("embed" in key or "lm_head" in key or "rotary" in key for key in weights.keys())
@@ -138,7 +135,7 @@ def test_default_layout_round_trip(draft, tmp_path):
 
 def test_remote_code_files_import_nothing_from_hf_dflash(draft, tmp_path):
     draft.save_pretrained(tmp_path)
-    for name in REMOTE_CODE_FILES:
+    for name in HUB_FILES:
         tree = ast.parse((tmp_path / name).read_text(), filename=name)
         imported = []
         for node in ast.walk(tree):
@@ -147,7 +144,7 @@ def test_remote_code_files_import_nothing_from_hf_dflash(draft, tmp_path):
             elif isinstance(node, ast.ImportFrom):
                 module = node.module or ""
                 if node.level:  # relative: must be a sibling copied next to the weights
-                    assert f"{module}.py" in REMOTE_CODE_FILES, (name, module)
+                    assert f"{module}.py" in HUB_FILES, (name, module)
                 else:
                     imported.append(module)
         offending = [module for module in imported if module.split(".")[0] == "hf_dflash"]

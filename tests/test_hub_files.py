@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HUB_FILES
 from safetensors import safe_open
 
 from hf_dflash import DFlashForDrafting
@@ -14,7 +15,6 @@ from hf_dflash import DFlashForDrafting
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "hf_dflash" / "model"
 DRAFTERS = sorted(path.parent for path in (ROOT / "drafters").glob("*/config.json"))
-HUB_FILES = sorted(path.name for path in PACKAGE.glob("*_dflash.py"))  # the remote code save_pretrained copies
 
 
 @pytest.mark.parametrize("folder", DRAFTERS, ids=lambda path: path.name)
