@@ -128,47 +128,52 @@ def accept_greedy(tree: DraftTree, target_ids: torch.LongTensor) -> tuple[torch.
 
     `target_ids` `[b, N + 1]` is the target's argmax at `[bonus, nodes]`. Returns the path as verify-input indices
     `[b, 1 + depth]` (0 = the bonus, `n + 1` = node `n`; rows shorter than the longest are padded with their last
-    index, see the returned lengths) and `(lengths [b], new_bonus [b])`.
+    index, see the returned lengths) and `(lengths [b], new_bonus [b])`. The walk runs on the host over one copy of
+    the tree and the target's tokens: a few dozen integers, where tensor ops would cost one dispatch per node.
     """
-    batch, num_nodes = tree.tokens.shape
-    rows = torch.arange(batch, device=tree.tokens.device)
-    accepted = torch.zeros(batch, num_nodes + 1, dtype=torch.bool, device=tree.tokens.device)
-    accepted[:, 0] = True  # the bonus is committed already
-    for node in range(num_nodes):
-        parent = tree.parents[:, node] + 1
-        matches = tree.tokens[:, node] == target_ids[rows, parent]
-        accepted[:, node + 1] = accepted[rows, parent] & matches
-    depth = torch.cat([tree.depths.new_zeros(batch, 1), tree.depths], dim=1) * accepted  # [b, N + 1]
-    deepest = depth.argmax(-1)  # the accepted node of greatest depth (0: none but the bonus)
-    lengths = depth.amax(-1) + 1
-    path = _path_to(tree.parents, deepest, int(lengths.max()))
-    return path, lengths, target_ids[rows, deepest]
+    device = tree.tokens.device
+    fields = torch.stack([tree.tokens, tree.parents, tree.depths, target_ids[:, 1:]]).tolist()  # 4 x [b, N]
+    paths, bonus = [], []
+    for tokens, parents, depths, after_node, after_bonus in zip(*fields, target_ids[:, 0].tolist()):
+        after = [after_bonus, *after_node]  # the target's token after each verify input
+        path = _accepted_path(tokens, parents, depths, after)
+        paths.append(path)
+        bonus.append(after[path[-1]])
+    longest = max(len(path) for path in paths)
+    padded = [path + path[-1:] * (longest - len(path)) for path in paths]
+    lengths = torch.tensor([len(path) for path in paths], device=device)
+    return torch.tensor(padded, device=device), lengths, torch.tensor(bonus, device=device)
 
 
-def _path_to(parents: torch.LongTensor, deepest: torch.LongTensor, length: int) -> torch.LongTensor:
-    """`[b, length]` verify-input indices from the bonus down to `deepest`, padded at the end with `deepest`."""
-    batch = parents.shape[0]
-    rows = torch.arange(batch, device=parents.device)
-    parent_index = torch.cat([parents.new_zeros(batch, 1), parents + 1], dim=1)  # bonus's parent: itself
-    walk = [deepest]
-    for _ in range(length - 1):
-        walk.append(parent_index[rows, walk[-1]])
-    path = torch.stack(walk[::-1], dim=1)  # [b, length]: starts at the bonus for the longest rows
-    shift = (path == 0).long().sum(-1) - 1  # rows with shorter paths start with repeated zeros
-    positions = (torch.arange(length, device=parents.device)[None] + shift[:, None]).clamp(max=length - 1)
-    return path.gather(1, positions)
+def _accepted_path(tokens: list[int], parents: list[int], depths: list[int], after: list[int]) -> list[int]:
+    """One row's accepted path as verify-input indices from the bonus (0) to its deepest accepted node: a node is
+    accepted when its parent is and its token is the target's after the parent (parents come first)."""
+    accepted = [True] + [False] * len(tokens)
+    deepest = 0
+    for node, (token, parent, depth) in enumerate(zip(tokens, parents, depths), start=1):
+        accepted[node] = accepted[parent + 1] and token == after[parent + 1]
+        if accepted[node] and depth > (depths[deepest - 1] if deepest else 0):
+            deepest = node
+    path = [deepest]
+    while path[-1] != 0:
+        path.append(parents[path[-1] - 1] + 1)
+    return path[::-1]
 
 
 def keep_path(cache: Cache, num_fed: int, path: torch.LongTensor) -> None:
-    """Keep, of the last `num_fed` cached tokens (the verified `[bonus, nodes]`), only those at `path` `[b, L]`."""
+    """Keep, of the last `num_fed` cached tokens (the verified `[bonus, nodes]`), only those at `path` `[b, L]`: the
+    kept entries are written over the first `L` of those slots in place, and the rest cropped (a view), so a round
+    copies `L` entries per layer rather than the whole cache."""
+    length = path.shape[1]
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
             continue
         index = path[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-        for name in ("keys", "values"):
-            states = getattr(layer, name)
-            tail = states[..., -num_fed:, :].gather(2, index.to(states.device))
-            setattr(layer, name, torch.cat([states[..., :-num_fed, :], tail], dim=2))
+        start = layer.keys.shape[-2] - num_fed
+        for states in (layer.keys, layer.values):
+            tail = states[..., start:, :].gather(2, index.to(states.device))  # a copy: the writes below cannot alias
+            states[..., start : start + length, :] = tail
+    cache.crop(length - num_fed)
 
 
 @torch.no_grad()
