@@ -318,6 +318,23 @@ def test_sampling_measures_both_proposal_kinds(target, draft):
     assert "ours_argmax: tau" in render_table(report)
 
 
+def test_sampling_settings_reach_every_method_and_the_report(target, draft, monkeypatch):
+    from hf_dflash.bench import harness
+
+    seen = []
+    timed_run = harness._timed_run
+    monkeypatch.setattr(
+        harness,
+        "_timed_run",
+        lambda method, t, d, ids, kwargs: seen.append(kwargs) or timed_run(method, t, d, ids, kwargs),
+    )
+    config = tiny_config(do_sample=True, temperature=0.7, top_p=0.95, methods=("ours",))
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:1])
+    assert report.conditions.sampling == {"temperature": 0.7, "top_p": 0.95}
+    assert seen and all(kwargs["temperature"] == 0.7 and kwargs["top_p"] == 0.95 for kwargs in seen)
+    assert "top_k" not in seen[0]  # unset: the target's own
+
+
 def test_trees_are_left_out_where_the_target_cannot_verify_one():
     target = make_target("mistral")  # sliding-window attention: chains only
     draft = make_draft(target, block_size=4, num_hidden_layers=1)

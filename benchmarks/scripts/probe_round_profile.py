@@ -41,8 +41,17 @@ from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
 MODES = {"bf16-exact": (torch.bfloat16, True), "fp32-fast": (torch.float32, False)}
-PHASES = ("draft_forward", "draft_head_and_plan", "verify_inputs", "verify_forward", "accept", "cache_prune",
-          "keep_rest", "commit", "loop_python")
+PHASES = (
+    "draft_forward",
+    "draft_head_and_plan",
+    "verify_inputs",
+    "verify_forward",
+    "accept",
+    "cache_prune",
+    "keep_rest",
+    "commit",
+    "loop_python",
+)
 
 
 class PhaseClock:
@@ -152,18 +161,31 @@ def profile_shape(target, draft, prompts, max_new_tokens: int, num_nodes: int, t
         statistics.median((r["wall"] - r["draft_forward"]) / r["bare_forward"] for r in rounds), 3
     )
     summary["tau"] = round(statistics.mean(r["committed"] for r in rounds), 3)
-    return {"shape": f"{'tree' if tree else 'chain'}-{num_nodes}", "tokens": num_nodes + 1, "rounds": len(rounds),
-            "ms": summary}
+    return {
+        "shape": f"{'tree' if tree else 'chain'}-{num_nodes}",
+        "tokens": num_nodes + 1,
+        "rounds": len(rounds),
+        "ms": summary,
+    }
 
 
 def _setup(target, draft, max_new_tokens: int, max_tree_nodes: int):
     parameters = speculative.inspect.signature(target.forward).parameters
     return speculative._Setup(
-        target=target, draft=draft, max_new_tokens=max_new_tokens, do_sample=False,
-        warpers=speculative.LogitsProcessorList(), temperature=None, eos_ids=speculative.token_ids(
-            target.generation_config.eos_token_id), pad_token_id=0,
-        pass_positions="position_ids" in parameters, pass_logits_to_keep="logits_to_keep" in parameters,
-        verify_costs=None, planner=VerifyPlanner(), max_tree_nodes=max_tree_nodes, sample_proposals=True,
+        target=target,
+        draft=draft,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        warpers=speculative.LogitsProcessorList(),
+        temperature=None,
+        eos_ids=speculative.token_ids(target.generation_config.eos_token_id),
+        pad_token_id=0,
+        pass_positions="position_ids" in parameters,
+        pass_logits_to_keep="logits_to_keep" in parameters,
+        verify_costs=None,
+        planner=VerifyPlanner(),
+        max_tree_nodes=max_tree_nodes,
+        sample_proposals=True,
     )
 
 
@@ -192,8 +214,14 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 results.append(row)
     if args.output:
-        conditions = {"torch": torch.__version__, "threads": torch.get_num_threads(), "prompts": args.prompts,
-                      "max_new_tokens": args.max_new_tokens, "dataset": "gsm8k", "batch": 1}
+        conditions = {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "dataset": "gsm8k",
+            "batch": 1,
+        }
         with open(args.output, "w") as handle:
             json.dump({"conditions": conditions, "results": results}, handle, indent=1)
 

@@ -172,6 +172,28 @@ class BenchmarkConfig:
             "group": "peers",
         },
     )
+    # sampling settings (added after the rest: reports keep their config keys in order)
+    temperature: float | None = field(
+        default=None,
+        metadata={
+            "help": "sampling temperature (--do_sample; default: the target's generation config)",
+            "group": "decoding",
+        },
+    )
+    top_p: float | None = field(
+        default=None,
+        metadata={
+            "help": "nucleus sampling's p (--do_sample; default: the target's generation config)",
+            "group": "decoding",
+        },
+    )
+    top_k: int | None = field(
+        default=None,
+        metadata={
+            "help": "top-k sampling's k, 0: off (--do_sample; default: the target's generation config)",
+            "group": "decoding",
+        },
+    )
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,7 @@ def benchmark_conditions(
         max_new_tokens=config.max_new_tokens,
         repeats=config.repeats,
         do_sample=config.do_sample,
+        sampling=sampling_settings(config) or None,
     )
     if costs is not None:
         conditions.target_forward_s = list(costs.verify)
@@ -286,7 +287,16 @@ def _measured_costs(
 def _generation_kwargs(config: BenchmarkConfig, target: PreTrainedModel, tokenizer: Any) -> dict[str, Any]:
     """What every method's generation gets: the budget, greedy or sampling, and the pad token."""
     generation_kwargs = {"max_new_tokens": config.max_new_tokens, "do_sample": config.do_sample}
-    return generation_kwargs | {"pad_token_id": pad_token_id_for(target, tokenizer)}
+    return generation_kwargs | sampling_settings(config) | {"pad_token_id": pad_token_id_for(target, tokenizer)}
+
+
+def sampling_settings(config: BenchmarkConfig) -> dict[str, float | int]:
+    """The sampling settings `config` sets (under `do_sample`); the others come from the target's generation
+    config."""
+    if not config.do_sample:
+        return {}
+    settings = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k}
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 def _plan(prompts: Sequence[BenchmarkPrompt], config: BenchmarkConfig, names: Sequence[str], baselines) -> Plan:

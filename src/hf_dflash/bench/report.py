@@ -250,6 +250,7 @@ class Conditions(_Record):
 
     _optional = frozenset(
         {
+            "sampling",
             "target_forward_s",
             "target_forward_relative",
             "draft_forward_s",
@@ -279,6 +280,7 @@ class Conditions(_Record):
     max_new_tokens: int
     repeats: int
     do_sample: bool
+    sampling: dict[str, float | int] | None = None  # temperature, top_p, top_k set for the run (else the target's)
     target_forward_s: list[float] | None = None
     target_forward_relative: list[float] | None = None
     draft_forward_s: float | None = None

@@ -98,10 +98,24 @@ def check(args: argparse.Namespace) -> None:
     for flag in ("limit", "max_new_tokens", "repeats", "draft_timing_repeats"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    check_sampling(args)
     check_target(args)
     check_draft(args)
     output = check_output_file(args.output, "--output")
     check_output_file(args.plot or str(output.with_suffix(".png")), "--plot")
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """Refuse sampling settings without `--do_sample` (greedy would ignore them) and values `generate` refuses."""
+    given = [f"--{name}" for name in ("temperature", "top_p", "top_k") if getattr(args, name) is not None]
+    if given and not args.do_sample:
+        raise UsageError(f"{', '.join(given)} set how sampling draws; add --do_sample, or drop them for greedy")
+    if args.temperature is not None and args.temperature <= 0:
+        raise UsageError(f"--temperature must be above 0, got {args.temperature}; for greedy, drop --do_sample")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < 0:
+        raise UsageError(f"--top_k must be 0 (off) or more, got {args.top_k}")
 
 
 def run(args: argparse.Namespace) -> int:
