@@ -12,6 +12,7 @@ import torch
 from helpers import make_draft, make_target
 
 from hf_dflash.decoding import speculative
+from hf_dflash.decoding.policy import VerifyCosts
 from hf_dflash.decoding.speculative import synchronized_clock
 
 PROMPT = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8])
@@ -78,6 +79,22 @@ def test_queued_device_work_is_billed_to_the_phase_that_queued_it(monkeypatch, m
     assert stats.draft_time_s == 1.0 * stats.num_rounds  # one drafter call per round, none of the target's work
     # one target forward per round or plain step (the last token needs no draft), none of the draft's work
     assert stats.verify_time_s == 10.0 * (stats.num_rounds + stats.plain_steps)
+
+
+def test_bare_forward_seconds_add_the_measured_cost_of_each_steps_token_count(monkeypatch, models):
+    target, draft = models
+    costs = VerifyCosts(verify=tuple(float(n) for n in range(1, 18)), draft=0.5)  # n tokens: n seconds
+    nodes = []
+    record_plan = speculative.SpeculativeStats.record_plan
+    monkeypatch.setattr(
+        speculative.SpeculativeStats,
+        "record_plan",
+        lambda self, tree, drafted: nodes.append(tree.num_nodes) or record_plan(self, tree, drafted),
+    )
+    stats = speculative.speculative_generate(target, draft, PROMPT[None], max_new_tokens=12, verify_costs=costs).stats
+    assert stats.num_rounds > 0 and len(nodes) == stats.num_rounds + stats.plain_steps
+    assert stats.bare_forward_s == sum(num_nodes + 1.0 for num_nodes in nodes)  # the bonus and the nodes
+    assert speculative.speculative_generate(target, draft, PROMPT[None], max_new_tokens=4).stats.bare_forward_s == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

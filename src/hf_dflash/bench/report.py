@@ -87,6 +87,8 @@ class SpeculativeStatsSummary(_Record):
     rounds and plain steps (first repeat), verified nodes per drafted round and draft / verify milliseconds per step
     (a drafted round or a plain step; all repeats)."""
 
+    _optional = frozenset({"verify_over_bare_forward"})
+
     tau: float
     tau_histogram: list[int]
     rounds: int
@@ -95,6 +97,9 @@ class SpeculativeStatsSummary(_Record):
     draft_ms_per_step: float
     verify_ms_per_step: float
     verified_drafts_per_round: float
+    # verify time (forward, inputs, acceptance, cache bookkeeping) over the bare forwards of the same token counts,
+    # as the planner's costs measured them; None without measured costs
+    verify_over_bare_forward: float | None = None
 
 
 _SPECULATIVE_KEYS = tuple(f.name for f in fields(SpeculativeStatsSummary) if f.name != "extra")
@@ -418,6 +423,7 @@ def _dataset_lines(dataset: str, summary: DatasetSummary) -> list[str]:
                 f"{s.verified_drafts_per_round:.2f} nodes verified per round, {s.tree_rounds} of "
                 f"{s.rounds} rounds trees, {s.plain_steps} plain steps, draft "
                 f"{s.draft_ms_per_step:.1f} + verify {s.verify_ms_per_step:.1f} ms/step"
+                + (f" ({s.verify_over_bare_forward:.3f}x the bare forwards)" if s.verify_over_bare_forward else "")
             )
     return lines
 

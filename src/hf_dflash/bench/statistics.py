@@ -177,4 +177,12 @@ def speculative_summary(
         draft_ms_per_step=1000 * sum(r.stats.draft_time_s for r in ours) / max(steps, 1),
         verify_ms_per_step=1000 * sum(r.stats.verify_time_s for r in ours) / max(steps, 1),
         verified_drafts_per_round=sum(r.stats.verified_drafts for r in ours) / max(rounds, 1),
+        verify_over_bare_forward=verify_over_bare_forward(ours),
     )
+
+
+def verify_over_bare_forward(runs) -> float | None:
+    """The runs' verify seconds over the bare forwards of the same steps (`SpeculativeStats.bare_forward_s`), or
+    None when they planned without measured costs."""
+    bare = sum(r.stats.bare_forward_s for r in runs)
+    return round(sum(r.stats.verify_time_s for r in runs) / bare, 3) if bare > 0 else None

@@ -98,6 +98,9 @@ class SpeculativeStats:
     verified_drafts: int = 0  # proposals (tree nodes) the target checked, over all drafted rounds
     tree_rounds: int = 0  # drafted rounds that verified a tree (not a chain)
     plain_steps: int = 0  # steps without a draft (fallback, or one token left): one token per row each
+    # with verify costs: what the same steps' verify forwards cost when measured bare (`VerifyCosts.verify` at each
+    # step's token count), so `verify_time_s / bare_forward_s` is the loop's price beside its forwards
+    bare_forward_s: float = 0.0
 
     def record_plan(self, tree: Any, drafted: bool) -> None:
         """Count a round: a drafted one verifying `tree`, or a plain step."""
@@ -132,7 +135,8 @@ class SpeculativeStats:
         """Add another run's counts and times to this one (used when a batch is decoded row by row)."""
         self.acceptance_lengths += other.acceptance_lengths
         self.block_size = max(self.block_size, other.block_size)
-        counts = ("num_rounds", "prefill_time_s", "draft_time_s", "verify_time_s", "new_tokens", "verified_drafts")
+        counts = ("num_rounds", "prefill_time_s", "draft_time_s", "verify_time_s", "bare_forward_s", "new_tokens")
+        counts += ("verified_drafts",)
         for name in (*counts, "tree_rounds", "plain_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
@@ -146,6 +150,7 @@ class SpeculativeStats:
             "prefill_time_s": self.prefill_time_s,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
+            "bare_forward_s": self.bare_forward_s,
             "verified_drafts_per_round": self.verified_drafts_per_round,
             "tree_rounds": self.tree_rounds,
             "plain_steps": self.plain_steps,
@@ -457,6 +462,8 @@ def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Te
         tokens = keep_accepted(setup, state, proposal.tree, out.hidden_states, path, lengths)
         end = synchronized_clock(state.bonus.device)
         stats.verify_time_s += end - verify_start
+        if setup.verify_costs is not None:
+            stats.bare_forward_s += setup.verify_costs.verify[min(proposal.tree.num_nodes, setup.verify_costs.max_nodes)]
         active = int((~state.done).sum())
         accepted = [row[: n - 1] + [b] for row, n, b in zip(tokens.tolist(), lengths.tolist(), new_bonus.tolist())]
         committed = commit(setup, state, accepted, stats, streamer, count_round=proposal.drafted)
