@@ -16,6 +16,7 @@
 #include <future>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -50,14 +51,11 @@ inline float dot(const float* __restrict__ q, const T* __restrict__ k, int64_t d
   const int64_t full = dim - dim % kLanes;
   for (int64_t start = 0; start < full; start += kLanes) sum += load16(q + start) * load16(k + start);
   for (int64_t d = full; d < dim; ++d) sum[d - full] += q[d] * static_cast<float>(k[d]);
-  Lanes8 low, high;
-  std::memcpy(&low, &sum, sizeof(low));
-  std::memcpy(&high, reinterpret_cast<const char*>(&sum) + sizeof(low), sizeof(high));
-  const Lanes8 eight = low + high;
-  Lanes4 first, second;
-  std::memcpy(&first, &eight, sizeof(first));
-  std::memcpy(&second, reinterpret_cast<const char*>(&eight) + sizeof(first), sizeof(second));
-  const Lanes4 four = first + second;
+  // the halves taken in registers (copies through memory stall on store forwarding)
+  const Lanes8 eight = __builtin_shufflevector(sum, sum, 0, 1, 2, 3, 4, 5, 6, 7) +
+                       __builtin_shufflevector(sum, sum, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Lanes4 four =
+      __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
   return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
@@ -91,6 +89,73 @@ struct Scratch {
   std::vector<float> query, scores, sums, best, total;
 };
 
+constexpr int64_t kHeldGroups = 4;  // query heads of one kv head whose running values are held in registers together
+
+// run(std::integral_constant<int64_t, G>{}, g0) for each block of G <= kHeldGroups query heads from head g0.
+template <typename Run>
+void in_held_groups(int64_t group, const Run& run) {
+  for (int64_t g0 = 0; g0 < group; g0 += kHeldGroups) {
+    switch (std::min(kHeldGroups, group - g0)) {
+      case 1: run(std::integral_constant<int64_t, 1>{}, g0); break;
+      case 2: run(std::integral_constant<int64_t, 2>{}, g0); break;
+      case 3: run(std::integral_constant<int64_t, 3>{}, g0); break;
+      default: run(std::integral_constant<int64_t, 4>{}, g0); break;
+    }
+  }
+}
+
+// Up to kHeldGroups query heads of one kv head: their fp32 queries [G, dim], scores [G, count] and row maxima [G].
+struct Heads {
+  const float* queries;
+  float* scores;
+  float* best;
+};
+
+// scores[g][n] = q_g . key[kept[n]] * scale (soft-capped), for n in cache order; best[g] their maximum. Each score is
+// the same `dot` as ever; the maxima are held in registers.
+template <int64_t G, typename T>
+void head_scores(const Heads& heads, const T* __restrict__ key, const int64_t* __restrict__ kept, int64_t count,
+                 int64_t dim, float scale, float softcap) {
+  float best[G];
+  for (int64_t g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
+  for (int64_t n = 0; n < count; ++n) {
+    const T* k = key + kept[n] * dim;
+    for (int64_t g = 0; g < G; ++g) {
+      float score = dot(heads.queries + g * dim, k, dim) * scale;
+      if (softcap > 0.f) score = std::tanh(score / softcap) * softcap;
+      heads.scores[g * count + n] = score;
+      best[g] = std::max(best[g], score);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) heads.best[g] = best[g];
+}
+
+// For G query heads of one kv head: totals[g] = sum of probs[g][n] and sums[g] = sum of probs[g][n] * value[kept[n]],
+// both over n in cache order, one key at a time (each element the same products and sums, in the same order, as a
+// plain loop); the running sums stay in registers, 16 value lanes at a time. probs [G, count]; sums [G, dim], zeros.
+template <int64_t G, typename T>
+void weighted_values(const float* __restrict__ probs, int64_t count, const int64_t* __restrict__ kept,
+                     const T* __restrict__ value, int64_t dim, float* __restrict__ totals, float* __restrict__ sums) {
+  float total[G] = {};
+  for (int64_t n = 0; n < count; ++n)
+    for (int64_t g = 0; g < G; ++g) total[g] += probs[g * count + n];
+  for (int64_t g = 0; g < G; ++g) totals[g] = total[g];
+  const int64_t full = dim - dim % kLanes;
+  for (int64_t d = 0; d < full; d += kLanes) {
+    Lanes16 acc[G] = {};
+    for (int64_t n = 0; n < count; ++n) {
+      const Lanes16 v = load16(value + kept[n] * dim + d);
+      for (int64_t g = 0; g < G; ++g) acc[g] += probs[g * count + n] * v;
+    }
+    for (int64_t g = 0; g < G; ++g) std::memcpy(sums + g * dim + d, &acc[g], sizeof(Lanes16));
+  }
+  for (int64_t n = 0; n < count; ++n) {  // the lanes past the last 16, as a plain loop
+    const T* v = value + kept[n] * dim;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = full; d < dim; ++d) sums[g * dim + d] += probs[g * count + n] * static_cast<float>(v[d]);
+  }
+}
+
 // One query position of one kv head: its `group` query heads attend to the keys `allowed` lets through.
 // query [group, dim], key/value [keys, dim], allowed [keys]; out: `group` fp32 rows of `dim`, one after the other.
 template <typename T>
@@ -105,32 +170,22 @@ void attend(const T* query, const T* key, const T* value, const bool* allowed, c
   for (int64_t x = 0; x < s.group * s.dim; ++x) scratch.query[x] = static_cast<float>(query[x]);
   auto& scores = scratch.scores;
   scores.resize(s.group * count);
-  scratch.best.assign(s.group, -std::numeric_limits<float>::infinity());
-  for (int64_t n = 0; n < count; ++n) {
-    const T* k = key + kept[n] * s.dim;
-    for (int64_t g = 0; g < s.group; ++g) {
-      float score = dot(scratch.query.data() + g * s.dim, k, s.dim) * scale;
-      if (softcap > 0.f) score = std::tanh(score / softcap) * softcap;
-      scores[g * count + n] = score;
-      scratch.best[g] = std::max(scratch.best[g], score);
-    }
-  }
-  scratch.total.assign(s.group, 0.f);
+  scratch.best.resize(s.group);
+  in_held_groups(s.group, [&](auto held, int64_t g0) {
+    const Heads heads{scratch.query.data() + g0 * s.dim, scores.data() + g0 * count, scratch.best.data() + g0};
+    head_scores<decltype(held)::value>(heads, key, kept.data(), count, s.dim, scale, softcap);
+  });
   for (int64_t g = 0; g < s.group; ++g) {
     float* __restrict__ row = scores.data() + g * count;
     const float top = scratch.best[g];
     for (int64_t n = 0; n < count; ++n) row[n] = exp_nonpositive(row[n] - top);  // element-wise
-    for (int64_t n = 0; n < count; ++n) scratch.total[g] += row[n];  // in cache order
   }
+  scratch.total.assign(s.group, 0.f);
   scratch.sums.assign(s.group * s.dim, 0.f);
-  for (int64_t n = 0; n < count; ++n) {  // in cache order, one key at a time
-    const T* __restrict__ v = value + kept[n] * s.dim;
-    for (int64_t g = 0; g < s.group; ++g) {
-      const float p = scores[g * count + n];
-      float* __restrict__ sum = scratch.sums.data() + g * s.dim;
-      for (int64_t d = 0; d < s.dim; ++d) sum[d] += p * static_cast<float>(v[d]);
-    }
-  }
+  in_held_groups(s.group, [&](auto held, int64_t g0) {
+    weighted_values<decltype(held)::value>(scores.data() + g0 * count, count, kept.data(), value, s.dim,
+                                           scratch.total.data() + g0, scratch.sums.data() + g0 * s.dim);
+  });
   for (int64_t g = 0; g < s.group; ++g) {
     const float norm = scratch.total[g] > 0.f ? scratch.total[g] : 1.f;  // a row with no key (padding) gets zeros
     for (int64_t d = 0; d < s.dim; ++d) out[g * s.dim + d] = scratch.sums[g * s.dim + d] / norm;
