@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Con
 
 from hf_dflash import DFlashForDrafting, optimize_for_cpu, speculative_generate
 from hf_dflash.decoding import cpu_kernels
-from hf_dflash.decoding.speculative import _sampling_warpers
+from hf_dflash.decoding.speculative import _sampling_warpers, accept_sampled_lazily
 
 VOCAB = 6
 PROMPT = torch.tensor([[1, 4, 2, 0, 3]])
@@ -203,3 +203,22 @@ def test_the_chi_square_test_rejects_a_biased_sampler(monkeypatch):
 
 def test_enumeration_covers_the_whole_distribution():
     assert abs(sum(exact_joint(peaky_target(), SETTINGS[0]).values()) - 1.0) < 1e-5
+
+
+def test_sampled_acceptance_asks_for_a_positions_target_distribution_only_where_every_draft_before_it_was_accepted():
+    vocab, num_draft = 5, 3
+    draft_ids = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    q = torch.nn.functional.one_hot(draft_ids, vocab).float()  # [2, 3, V]: each draft certain under q
+    p = torch.full((2, num_draft + 1, vocab), 0.0)
+    p[0, :, 4] = 1.0  # row 0: the target never proposes the drafted tokens, so it rejects at position 0 -> token 4
+    p[1, :num_draft] = q[1]  # row 1: the target agrees at every position, then its own token is 0
+    p[1, num_draft, 0] = 1.0
+    asked = []
+
+    def target_probs_at(rows, position):
+        asked.append((rows.tolist(), position))
+        return p[rows, position]
+
+    num_accepted, next_token = accept_sampled_lazily(draft_ids, q, target_probs_at)
+    assert num_accepted.tolist() == [0, 3] and next_token.tolist() == [4, 0]
+    assert asked == [([0, 1], 0), ([1], 1), ([1], 2), ([1], 3)]  # row 0's later positions are never warped

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -463,7 +464,9 @@ def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Te
         end = synchronized_clock(state.bonus.device)
         stats.verify_time_s += end - verify_start
         if setup.verify_costs is not None:
-            stats.bare_forward_s += setup.verify_costs.verify[min(proposal.tree.num_nodes, setup.verify_costs.max_nodes)]
+            stats.bare_forward_s += setup.verify_costs.verify[
+                min(proposal.tree.num_nodes, setup.verify_costs.max_nodes)
+            ]
         active = int((~state.done).sum())
         accepted = [row[: n - 1] + [b] for row, n, b in zip(tokens.tolist(), lengths.tolist(), new_bonus.tolist())]
         committed = commit(setup, state, accepted, stats, streamer, count_round=proposal.drafted)
@@ -616,18 +619,18 @@ def accept(setup: _Setup, proposal: Proposal, target_logits: torch.Tensor):
     padded past their length) and the target's token after it."""
     if not setup.do_sample:
         return accept_greedy(proposal.tree, target_logits.argmax(-1))
-    p = _target_probs(setup, target_logits)
-    num_accepted, new_bonus = accept_sampled(proposal.tree.tokens, p, proposal.q)
+    num_accepted, new_bonus = accept_sampled_lazily(
+        proposal.tree.tokens, proposal.q, lambda rows, position: _target_probs(setup, target_logits[rows, position])
+    )
     lengths = num_accepted + 1
     steps = torch.arange(int(lengths.max()), device=lengths.device)
     return torch.minimum(steps[None], (lengths - 1)[:, None]), lengths, new_bonus
 
 
 def _target_probs(setup: _Setup, target_logits: torch.Tensor) -> torch.Tensor:
-    """`[b, k + 1, V]` warped target distributions `p`, as `generate` samples them."""
-    batch, length, vocab = target_logits.shape
-    flat_ids = target_logits.new_zeros(batch * length, 1).long()  # warpers ignore the ids
-    return setup.warpers(flat_ids, target_logits.flatten(0, 1)).softmax(-1).view(batch, length, vocab)
+    """`[r, V]` target logits -> their warped distributions `p`, as `generate` samples them."""
+    ids = target_logits.new_zeros(target_logits.shape[0], 1).long()  # warpers ignore the ids
+    return setup.warpers(ids, target_logits).softmax(-1)
 
 
 def accept_sampled(
@@ -635,20 +638,36 @@ def accept_sampled(
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Speculative sampling along a chain (Leviathan et al., Algorithm 1): `draft_ids` `[b, k]` drawn from `q`
     `[b, k, V]`, target distributions `p` `[b, k + 1, V]` -> accepted counts `n` `[b]` and the next token `[b]`."""
+    return accept_sampled_lazily(draft_ids, q, lambda rows, position: p[rows, position])
+
+
+def accept_sampled_lazily(
+    draft_ids: torch.LongTensor, q: torch.Tensor | None, target_probs_at: Callable[[torch.Tensor, int], torch.Tensor]
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """`accept_sampled` asking for the target distribution `[r, V]` of position `j` (`target_probs_at(rows, j)`)
+    only for the rows that accepted every proposal before `j`: a round warps about tau rows of logits (each a top-p
+    sort of the vocabulary), not `k + 1`. Each position draws its own uniforms; a rejection samples
+    `norm(max(0, p_j - q_j))`, a row that accepted all `k` samples `p_k`."""
     batch, num_draft = draft_ids.shape
-    if num_draft == 0:
-        return draft_ids.new_zeros(batch), torch.multinomial(p[:, 0], 1)[:, 0]
-    p_draft = p[:, :num_draft].gather(-1, draft_ids[..., None])[..., 0]  # [b, k]
-    q_draft = q.gather(-1, draft_ids[..., None])[..., 0]
-    accept_each = torch.rand_like(p_draft) * q_draft < p_draft  # u < p / q, without dividing by zero
-    num_accepted = accept_each.long().cumprod(-1).sum(-1)
-    rows = torch.arange(batch, device=draft_ids.device)
-    residual = p[rows, num_accepted].clone()  # all accepted: sample the next token from p_k itself
-    rejected = num_accepted < num_draft
-    q_at = q[rows, num_accepted.clamp(max=num_draft - 1)]
-    residual[rejected] = (residual[rejected] - q_at[rejected]).clamp(min=0)
-    residual = residual / residual.sum(-1, keepdim=True)
-    return num_accepted, torch.multinomial(residual, 1)[:, 0]
+    num_accepted, next_token = draft_ids.new_zeros(batch), draft_ids.new_zeros(batch)
+    rows = torch.arange(batch, device=draft_ids.device)  # the rows that accepted every proposal so far
+    for position in range(num_draft + 1):
+        p = target_probs_at(rows, position)  # [r, V]
+        if position == num_draft:
+            next_token[rows] = torch.multinomial(p, 1)[:, 0]
+            break
+        drafted = draft_ids[rows, position, None]  # [r, 1]
+        q_rows = q[rows, position]  # [r, V]
+        p_drafted, q_drafted = p.gather(-1, drafted)[:, 0], q_rows.gather(-1, drafted)[:, 0]
+        accepted = torch.rand_like(p_drafted) * q_drafted < p_drafted  # u < p / q, without dividing by zero
+        if not bool(accepted.all()):
+            residual = (p[~accepted] - q_rows[~accepted]).clamp(min=0)
+            next_token[rows[~accepted]] = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1)[:, 0]
+        rows = rows[accepted]
+        num_accepted[rows] += 1
+        if rows.numel() == 0:
+            break
+    return num_accepted, next_token
 
 
 def keep_accepted(setup, state: DecodeState, tree: DraftTree, hidden_states, path, lengths) -> torch.LongTensor:
@@ -731,6 +750,7 @@ __all__ = [
     "SpeculativeOutput",
     "SpeculativeStats",
     "accept_sampled",
+    "accept_sampled_lazily",
     "speculative_generate",
     "tree_unsupported_reason",
 ]
