@@ -5,11 +5,17 @@ vocabulary, with a chi-square test; a negative control shows the test does rejec
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig, Qwen3Config
+from transformers.generation import TopPLogitsWarper
 
 from hf_dflash import DFlashForDrafting, optimize_for_cpu, speculative_generate
 from hf_dflash.decoding import cpu_kernels
-from hf_dflash.decoding.speculative import _sampling_warpers, accept_sampled_lazily
+from hf_dflash.decoding.speculative import (
+    NucleusOfTopCandidates,
+    _sampling_warpers,
+    accept_sampled_lazily,
+    proposal_warpers,
+)
 
 VOCAB = 6
 PROMPT = torch.tensor([[1, 4, 2, 0, 3]])
@@ -222,3 +228,16 @@ def test_sampled_acceptance_asks_for_a_positions_target_distribution_only_where_
     num_accepted, next_token = accept_sampled_lazily(draft_ids, q, target_probs_at)
     assert num_accepted.tolist() == [0, 3] and next_token.tolist() == [4, 0]
     assert asked == [([0, 1], 0), ([1], 1), ([1], 2), ([1], 3)]  # row 0's later positions are never warped
+
+
+def test_a_proposal_nucleus_is_top_p_among_its_candidates():
+    scores = torch.randn(50, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    ids = torch.zeros(50, 1, dtype=torch.long)
+    nucleus = TopPLogitsWarper(0.9)(ids, scores.clone()).isfinite()
+    assert torch.equal(NucleusOfTopCandidates(0.9, candidates=1000)(ids, scores.clone()).isfinite(), nucleus)
+    capped = NucleusOfTopCandidates(0.9, candidates=20)(ids, scores.clone()).isfinite()
+    assert (capped.sum(-1) == torch.minimum(nucleus.sum(-1), torch.tensor(20))).all() and not (capped & ~nucleus).any()
+    warpers = proposal_warpers(
+        _sampling_warpers(GenerationConfig(do_sample=True, temperature=0.7, top_p=0.95, top_k=0))
+    )
+    assert [type(w).__name__ for w in warpers] == ["TemperatureLogitsWarper", "NucleusOfTopCandidates"]

@@ -29,6 +29,7 @@ is decoded row by row (still lossless), with chains only.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import Counter
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.generation import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.utils import logging
@@ -70,6 +71,7 @@ logger = logging.get_logger(__name__)
 
 DEFAULT_TREE_NODES = 16  # most nodes the planner considers (the forward costs are measured up to 17 tokens)
 TREE_TOP_K = 8  # candidates per slot a tree is built from
+PROPOSAL_NUCLEUS_CANDIDATES = 256  # tokens a sampled proposal's top-p nucleus is looked for among
 
 SUPPORTED_GENERATION_FIELDS = {
     "max_new_tokens",
@@ -356,6 +358,31 @@ def _generate_row_by_row(setup: _Setup, input_ids, attention_mask) -> Speculativ
     return SpeculativeOutput(torch.cat([input_ids, generated], dim=1), counts, stats)
 
 
+class NucleusOfTopCandidates(LogitsProcessor):
+    """Top-p among the `candidates` most likely tokens only: the smallest set of them, best first, whose probability
+    under the whole vocabulary reaches `top_p` (all of them when they hold less). A draft's proposal distribution `q`
+    has to be known, not to match `generate`'s warpers (speculative sampling is lossless for any `q`), so it is
+    truncated with a top-k instead of a sort of the vocabulary (2.4 ms a row for SmolLM2's 49,152 on 2 cores)."""
+
+    def __init__(self, top_p: float, candidates: int = PROPOSAL_NUCLEUS_CANDIDATES):
+        self.top_p, self.candidates = top_p, candidates
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        top_scores, top_index = scores.topk(min(self.candidates, scores.shape[-1]), dim=-1)  # [n, c], best first
+        probs = (top_scores - scores.logsumexp(-1, keepdim=True)).exp()
+        kept = probs.cumsum(-1) - probs < self.top_p  # the better candidates' mass is still short of top_p
+        truncated = torch.full_like(scores, float("-inf"))
+        return truncated.scatter(-1, top_index, top_scores.masked_fill(~kept, float("-inf")))
+
+
+def proposal_warpers(warpers: LogitsProcessorList) -> LogitsProcessorList:
+    """`warpers` for a draft's proposal distribution: each top-p warper's sort of the vocabulary replaced by
+    `NucleusOfTopCandidates`."""
+    return LogitsProcessorList(
+        NucleusOfTopCandidates(warper.top_p) if isinstance(warper, TopPLogitsWarper) else warper for warper in warpers
+    )
+
+
 def _sampling_warpers(config: GenerationConfig) -> LogitsProcessorList:
     """The same warpers `generate` uses for sampling, in the same order."""
     warpers = LogitsProcessorList()
@@ -392,6 +419,11 @@ class _Setup:
     @property
     def block_size(self) -> int:
         return self.draft.config.block_size
+
+    @functools.cached_property
+    def proposal_warpers(self) -> LogitsProcessorList:
+        """What shapes the draft's proposal distribution `q` (`proposal_warpers`)."""
+        return proposal_warpers(self.warpers)
 
     @property
     def path(self) -> str:
@@ -555,7 +587,7 @@ def _sampled_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> P
     """A chain of samples of the draft distributions `q` (or their argmax, with `q` one-hot), its length planned from
     `q` alone before anything is sampled."""
     logits = draft_logits_full_vocabulary(setup.draft, setup.target.get_output_embeddings(), hidden)  # [b, S, V]
-    q = warp_logits(logits, state.bonus[:, None], setup.warpers).softmax(-1)
+    q = warp_logits(logits, state.bonus[:, None], setup.proposal_warpers).softmax(-1)
     batch, num_slots, vocab = q.shape
     confidence = q.amax(-1)  # [b, S]: decides the chain's length before anything is sampled
     if setup.sample_proposals:
