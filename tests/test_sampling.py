@@ -12,10 +12,12 @@ from hf_dflash import DFlashForDrafting, optimize_for_cpu, speculative_generate
 from hf_dflash.decoding import cpu_kernels
 from hf_dflash.decoding.speculative import (
     NucleusOfTopCandidates,
+    TopPBySortedValues,
     _sampling_warpers,
     accept_sampled_lazily,
     proposal_warpers,
 )
+from hf_dflash.model.generation_dflash import sample_categorical
 
 VOCAB = 6
 PROMPT = torch.tensor([[1, 4, 2, 0, 3]])
@@ -172,8 +174,11 @@ def test_generate_with_assistant_samples_the_target_distribution():
     assert chi_square_pvalue(samples_from_generate(target, draft, 1500, generation_kwargs), exact) > 1e-3
 
 
-def test_reduced_draft_vocabulary_samples_the_target_distribution():
-    """q is zero outside the draft vocabulary; tokens there still come from the residual with the target's odds."""
+@pytest.mark.parametrize("generation_kwargs", SETTINGS, ids=["plain", "temperature-topk-topp"])
+@pytest.mark.parametrize("sample_proposals", [True, False], ids=["q-samples", "argmax-one-hot-q"])
+def test_reduced_draft_vocabulary_samples_the_target_distribution(generation_kwargs, sample_proposals):
+    """q is zero outside the draft vocabulary (warped there, spread over the whole vocabulary after); tokens outside
+    still come from the residual with the target's odds."""
     target = peaky_target("qwen3")
     torch.manual_seed(7)
     draft = DFlashForDrafting.from_target(
@@ -182,15 +187,24 @@ def test_reduced_draft_vocabulary_samples_the_target_distribution():
     draft.set_draft_vocabulary(torch.tensor([0, 2, 3]))
     with torch.no_grad():
         draft.norm.weight.mul_(0.05)
-    generation_kwargs = SETTINGS[0]
     exact = exact_joint(target, generation_kwargs)
     torch.manual_seed(2)
-    out = speculative_generate(target, draft, PROMPT.expand(6000, -1), max_new_tokens=4, **generation_kwargs)
+    out = speculative_generate(
+        target,
+        draft,
+        PROMPT.expand(6000, -1),
+        max_new_tokens=4,
+        sample_proposals=sample_proposals,
+        **generation_kwargs,
+    )
     samples = [tuple(row) for row in out.sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + 3].tolist()]
-    assert out.stats.histogram[3] > 0
+    assert out.stats.histogram[1] > 0
+    if sample_proposals or not generation_kwargs["top_k"]:
+        assert out.stats.histogram[3] > 0
     assert chi_square_pvalue(samples, exact) > 1e-3
-    torch.manual_seed(3)
-    assert chi_square_pvalue(samples_from_generate(target, draft, 1000, generation_kwargs), exact) > 1e-3
+    if sample_proposals:
+        torch.manual_seed(3)
+        assert chi_square_pvalue(samples_from_generate(target, draft, 1000, generation_kwargs), exact) > 1e-3
 
 
 def test_the_chi_square_test_rejects_a_biased_sampler(monkeypatch):
@@ -241,3 +255,58 @@ def test_a_proposal_nucleus_is_top_p_among_its_candidates():
         _sampling_warpers(GenerationConfig(do_sample=True, temperature=0.7, top_p=0.95, top_k=0))
     )
     assert [type(w).__name__ for w in warpers] == ["TemperatureLogitsWarper", "NucleusOfTopCandidates"]
+
+
+def test_sample_categorical_draws_each_row_from_its_own_unnormalised_distribution():
+    probs = torch.tensor(
+        [[[0.0, 2.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 3.0]], [[5.0, 0.0, 0.0, 0.0, 0.0], [1.0] * 5]]
+    )
+    torch.manual_seed(0)
+    draws = torch.stack([sample_categorical(probs) for _ in range(4000)])  # [n, 2, 2]
+    assert draws.shape == (4000, 2, 2) and draws.dtype == torch.long
+    for row, col in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        counts = torch.bincount(draws[:, row, col], minlength=5)
+        expected = probs[row, col] / probs[row, col].sum() * 4000
+        assert counts[expected == 0].sum() == 0, "drew a token of zero mass"
+        if (expected > 0).sum() > 1:
+            assert chisquare(counts[expected > 0], expected[expected > 0]).pvalue > 1e-3
+
+
+def test_sample_categorical_never_draws_past_the_last_token_with_mass(monkeypatch):
+    monkeypatch.setattr(torch, "rand", lambda shape, device=None: torch.ones(shape, device=device))  # u = 1, the edge
+    assert sample_categorical(torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])).tolist() == [1, 3]
+    monkeypatch.setattr(torch, "rand", lambda shape, device=None: torch.zeros(shape, device=device))  # u = 0
+    assert sample_categorical(torch.tensor([[0.0, 0.0, 0.3, 0.7]])).tolist() == [2]
+
+
+@pytest.mark.parametrize("bad", [[0.0, 0.0], [float("nan"), 1.0]])
+def test_sample_categorical_rejects_a_row_without_mass(bad):
+    with pytest.raises(ValueError, match="sums to zero"):
+        sample_categorical(torch.tensor([[0.5, 0.5], bad]))
+
+
+def test_top_p_by_sorted_values_is_the_top_p_warper_bit_for_bit(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.zeros(64, 1, dtype=torch.long)
+    scores = torch.randn(64, 2000, generator=generator) * torch.linspace(0.5, 8, 64)[:, None]  # flat to peaked
+    scores[:8, ::3] = float("-inf")  # rows a top-k warper already cut
+    scores[8:16] = scores[8:16].round()  # many ties, away from the boundary and across it
+    fallbacks = []
+    warper_call = TopPLogitsWarper.__call__
+    monkeypatch.setattr(TopPLogitsWarper, "__call__", lambda *args: fallbacks.append(1) or warper_call(*args))
+    for top_p in (0.0, 0.5, 0.9, 0.95, 1.0):
+        for rows in (slice(0, 8), slice(8, 16), slice(16, 64), slice(20, 21)):
+            expected = warper_call(TopPLogitsWarper(top_p), ids[rows], scores[rows].clone())
+            fallbacks.clear()
+            got = TopPBySortedValues(top_p)(ids[rows], scores[rows].clone())
+            assert torch.equal(got, expected), (top_p, rows)
+            if rows != slice(8, 16):  # continuous scores never tie at the boundary: no fallback to the index sort
+                assert not fallbacks, (top_p, rows)
+    tied = torch.tensor(
+        [[0.0, 1.0, 1.0, 1.0]]
+    )  # top-p 0.5 keeps some of three tied tokens: the warper's order decides
+    fallbacks.clear()
+    assert torch.equal(
+        TopPBySortedValues(0.5)(ids[:1], tied.clone()), warper_call(TopPLogitsWarper(0.5), ids[:1], tied)
+    )
+    assert fallbacks == [1]

@@ -114,7 +114,7 @@ def profile_run(setup, state, stats, clock: PhaseClock, crop, rounds: list[dict]
         verify_start = time.perf_counter()
         out = speculative.verify(setup, state, proposal.tree)
         verify_seconds = time.perf_counter() - verify_start
-        path, lengths, new_bonus = clock.wrap("accept", speculative.accept)(setup, proposal, out.logits.float())
+        path, lengths, new_bonus = clock.wrap("accept", speculative.accept)(setup, proposal, out.logits)
         keep_start = time.perf_counter()
         tokens = speculative.keep_accepted(setup, state, proposal.tree, out.hidden_states, path, lengths)
         keep_seconds = time.perf_counter() - keep_start
