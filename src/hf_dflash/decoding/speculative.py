@@ -675,11 +675,15 @@ def verify(setup: _Setup, state: DecodeState, tree: DraftTree):
 def accept(setup: _Setup, proposal: Proposal, target_logits: torch.Tensor):
     """`(path [b, L], lengths [b], new_bonus [b])`: the accepted path as verify-input indices (0 = the bonus, rows
     padded past their length) and the target's token after it. `target_logits` `[b, N + 1, V]` are the verify
-    forward's, in its dtype: greedy takes their argmax as they are, sampling converts only the rows it warps."""
+    forward's, in its dtype: sampling converts only the rows it warps to fp32."""
     if not setup.do_sample:
-        return accept_greedy(proposal.tree, target_logits.argmax(-1))
+        return accept_greedy(
+            proposal.tree, target_logits.float().argmax(-1)
+        )  # bf16's argmax: 3.5x fp32's cast + argmax
     num_accepted, new_bonus = accept_sampled_lazily(
-        proposal.tree.tokens, proposal.q, lambda rows, position: _target_probs(setup, target_logits[rows, position].float())
+        proposal.tree.tokens,
+        proposal.q,
+        lambda rows, position: _target_probs(setup, target_logits[rows, position].float()),
     )
     lengths = num_accepted + 1
     steps = torch.arange(int(lengths.max()), device=lengths.device)
