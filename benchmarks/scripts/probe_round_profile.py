@@ -10,12 +10,13 @@ the target twice more, the cache cropped back after each:
 - `bare`: no mask, no positions, as `measure_verify_costs` times it (what the planner's cost model counts on);
 - `masked`: the round's own 2D key mask and positions (a chain), to split the mask's cost from the forward's.
 
-Every round has the same shape: chains of k proposals (the first k of the draft's chain) or best-first trees of N
-nodes, batch 1, on GSM8K prompts, in the modes `bf16-exact` (bf16 weights, exact kernels: the bench's lossless
+Every round has the same shape: chains of k proposals (the first k of the draft's chain), best-first trees of N
+nodes, or sampled chains of k (temperature 0.7, top-p 0.95, top-k off: samples of the draft's q, Leviathan
+acceptance against the target's warped distributions), batch 1, on GSM8K prompts, in the modes `bf16-exact` (bf16 weights, exact kernels: the bench's lossless
 setting) and `fp32-fast`.
 
 OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/probe_round_profile.py --modes bf16-exact fp32-fast \
-    --chains 2 4 8 --trees 4 8 16 --prompts 3 --max_new_tokens 96 --output benchmarks/results/round_profile.json
+    --chains 2 4 8 --trees 4 8 16 --sampled_chains 2 4 8 --prompts 3 --max_new_tokens 96 --output benchmarks/results/round_profile.json
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections import defaultdict
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
+from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
 
 from hf_dflash import DFlashForDrafting
@@ -40,6 +42,7 @@ from hf_dflash.decoding.policy import VerifyPlanner
 from hf_dflash.loading import committed_drafter
 from hf_dflash.targets import load_target
 
+SAMPLING_TEMPERATURE = 0.7
 MODES = {"bf16-exact": (torch.bfloat16, True), "fp32-fast": (torch.float32, False)}
 PHASES = (
     "draft_forward",
@@ -138,14 +141,17 @@ def profile_run(setup, state, stats, clock: PhaseClock, crop, rounds: list[dict]
         rounds.append({"tokens": num_tokens, "committed": int(lengths[0]), "wall": wall, **phases})
 
 
-def profile_shape(target, draft, prompts, max_new_tokens: int, num_nodes: int, tree: bool) -> dict:
+def profile_shape(
+    target, draft, prompts, max_new_tokens: int, num_nodes: int, tree: bool, sampled: bool = False
+) -> dict:
     """Median ms per round of each phase over every round of `prompts`, for one round shape."""
+    torch.manual_seed(0)
     clock = PhaseClock()
     undo, crop = instrument(clock, num_nodes, tree)
     rounds: list[dict] = []
     try:
         for ids in prompts:
-            setup = _setup(target, draft, max_new_tokens, num_nodes if tree else 0)
+            setup = _setup(target, draft, max_new_tokens, num_nodes if tree else 0, sampled)
             stats = speculative.SpeculativeStats(block_size=draft.config.block_size)
             state = speculative.prefill(setup, ids, torch.ones_like(ids), stats)
             speculative.commit(setup, state, [[t] for t in state.bonus.tolist()], stats, None, count_round=False)
@@ -162,22 +168,23 @@ def profile_shape(target, draft, prompts, max_new_tokens: int, num_nodes: int, t
     )
     summary["tau"] = round(statistics.mean(r["committed"] for r in rounds), 3)
     return {
-        "shape": f"{'tree' if tree else 'chain'}-{num_nodes}",
+        "shape": f"{'sampled-' if sampled else ''}{'tree' if tree else 'chain'}-{num_nodes}",
         "tokens": num_nodes + 1,
         "rounds": len(rounds),
         "ms": summary,
     }
 
 
-def _setup(target, draft, max_new_tokens: int, max_tree_nodes: int):
+def _setup(target, draft, max_new_tokens: int, max_tree_nodes: int, sampled: bool):
     parameters = speculative.inspect.signature(target.forward).parameters
+    sampling = GenerationConfig(do_sample=True, temperature=SAMPLING_TEMPERATURE, top_p=0.95, top_k=0)
     return speculative._Setup(
         target=target,
         draft=draft,
         max_new_tokens=max_new_tokens,
-        do_sample=False,
-        warpers=speculative.LogitsProcessorList(),
-        temperature=None,
+        do_sample=sampled,
+        warpers=speculative._sampling_warpers(sampling) if sampled else speculative.LogitsProcessorList(),
+        temperature=SAMPLING_TEMPERATURE if sampled else None,
         eos_ids=speculative.token_ids(target.generation_config.eos_token_id),
         pad_token_id=0,
         pass_positions="position_ids" in parameters,
@@ -194,6 +201,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["bf16-exact", "fp32-fast"])
     parser.add_argument("--chains", nargs="*", type=int, default=[2, 4, 6, 8])
     parser.add_argument("--trees", nargs="*", type=int, default=[4, 8, 12, 16])
+    parser.add_argument("--sampled_chains", nargs="*", type=int, default=[2, 4, 6])
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=96)
     parser.add_argument("--output", default=None)
@@ -208,9 +216,11 @@ def main() -> None:
         prompts = [p.input_ids[None] for p in load_benchmark_prompts(tokenizer, ["gsm8k"], args.prompts)]
         with torch.no_grad():
             profile_shape(target, draft, prompts[:1], 16, 4, False)  # warm-up
-            shapes = [(k, False) for k in args.chains] + [(n, True) for n in args.trees]
-            for num_nodes, tree in shapes:
-                row = {"mode": mode, **profile_shape(target, draft, prompts, args.max_new_tokens, num_nodes, tree)}
+            shapes = [(k, False, False) for k in args.chains] + [(n, True, False) for n in args.trees]
+            shapes += [(k, False, True) for k in args.sampled_chains]
+            for num_nodes, tree, sampled in shapes:
+                shape = profile_shape(target, draft, prompts, args.max_new_tokens, num_nodes, tree, sampled)
+                row = {"mode": mode, **shape}
                 print(json.dumps(row), flush=True)
                 results.append(row)
     if args.output:
