@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -388,14 +389,16 @@ class TopPBySortedValues(TopPLogitsWarper):
         if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2:
             return super().__call__(input_ids, scores)
         sorted_scores = torch.from_numpy(np.sort(scores.detach().numpy(), axis=-1))  # [n, V], ascending
-        removed = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - self.top_p)  # a prefix of each row
-        removed[..., -self.min_tokens_to_keep :] = False
-        num_removed = removed.sum(-1, keepdim=True)  # [n, 1]
-        last_removed = sorted_scores.gather(-1, (num_removed - 1).clamp(min=0))
-        first_kept = sorted_scores.gather(-1, num_removed.clamp(max=scores.shape[-1] - 1))
-        if bool(((num_removed > 0) & (last_removed == first_kept)).any()):
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # nondecreasing: the removed entries are a prefix
+        threshold = cumulative.new_full((scores.shape[0], 1), 1 - self.top_p)
+        num_removed = torch.searchsorted(cumulative, threshold, right=True)  # [n, 1]: entries <= the threshold
+        num_removed = num_removed.clamp(max=scores.shape[-1] - self.min_tokens_to_keep)
+        removes_some = num_removed > 0  # else no entry has probability 0 either: the row stays as it is
+        last_removed = sorted_scores.gather(-1, (num_removed - 1).clamp(min=0)).masked_fill(~removes_some, -math.inf)
+        first_kept = sorted_scores.gather(-1, num_removed)
+        if bool((last_removed == first_kept).any()):  # a tie at the cut
             return super().__call__(input_ids, scores)
-        return scores.masked_fill((scores <= last_removed) & (num_removed > 0), self.filter_value)
+        return torch.where(scores > last_removed, scores, self.filter_value)
 
 
 def proposal_warpers(warpers: LogitsProcessorList) -> LogitsProcessorList:
