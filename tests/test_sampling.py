@@ -302,9 +302,8 @@ def test_top_p_by_sorted_values_is_the_top_p_warper_bit_for_bit(monkeypatch):
             assert torch.equal(got, expected), (top_p, rows)
             if rows != slice(8, 16):  # continuous scores never tie at the boundary: no fallback to the index sort
                 assert not fallbacks, (top_p, rows)
-    tied = torch.tensor(
-        [[0.0, 1.0, 1.0, 1.0]]
-    )  # top-p 0.5 keeps some of three tied tokens: the warper's order decides
+    # top-p 0.5 keeps some of three tied tokens: only the warper's index order says which
+    tied = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
     fallbacks.clear()
     assert torch.equal(
         TopPBySortedValues(0.5)(ids[:1], tied.clone()), warper_call(TopPLogitsWarper(0.5), ids[:1], tied)
