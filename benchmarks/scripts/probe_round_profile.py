@@ -12,11 +12,12 @@ the target twice more, the cache cropped back after each:
 
 Every round has the same shape: chains of k proposals (the first k of the draft's chain), best-first trees of N
 nodes, or sampled chains of k (temperature 0.7, top-p 0.95, top-k off: samples of the draft's q, Leviathan
-acceptance against the target's warped distributions), batch 1, on GSM8K prompts, in the modes `bf16-exact` (bf16 weights, exact kernels: the bench's lossless
-setting) and `fp32-fast`.
+acceptance against the target's warped distributions), batch 1, on GSM8K prompts, in the modes `bf16-exact` (bf16
+weights, exact kernels: the bench's lossless setting) and `fp32-fast`.
 
 OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/probe_round_profile.py --modes bf16-exact fp32-fast \
-    --chains 2 4 8 --trees 4 8 16 --sampled_chains 2 4 8 --prompts 3 --max_new_tokens 96 --output benchmarks/results/round_profile.json
+    --chains 2 4 8 --trees 4 8 16 --sampled_chains 2 4 8 --prompts 3 --max_new_tokens 96 \
+    --output benchmarks/results/round_profile.json
 """
 
 from __future__ import annotations
@@ -177,13 +178,16 @@ def profile_shape(
 
 def _setup(target, draft, max_new_tokens: int, max_tree_nodes: int, sampled: bool):
     parameters = speculative.inspect.signature(target.forward).parameters
-    sampling = GenerationConfig(do_sample=True, temperature=SAMPLING_TEMPERATURE, top_p=0.95, top_k=0)
+    warpers = speculative.LogitsProcessorList()
+    if sampled:
+        sampling = GenerationConfig(do_sample=True, temperature=SAMPLING_TEMPERATURE, top_p=0.95, top_k=0)
+        warpers = speculative._sampling_warpers(sampling)
     return speculative._Setup(
         target=target,
         draft=draft,
         max_new_tokens=max_new_tokens,
         do_sample=sampled,
-        warpers=speculative._sampling_warpers(sampling) if sampled else speculative.LogitsProcessorList(),
+        warpers=warpers,
         temperature=SAMPLING_TEMPERATURE if sampled else None,
         eos_ids=speculative.token_ids(target.generation_config.eos_token_id),
         pad_token_id=0,
