@@ -13,8 +13,8 @@ from test_sampling import PROMPT, SETTINGS, chi_square_pvalue, exact_joint, peak
 from transformers import GenerationConfig
 
 from hf_dflash import speculative_generate
-from hf_dflash.decoding import speculative
-from hf_dflash.decoding.policy import Fallback, VerifyCosts, VerifyPlanner, measure_verify_costs
+from hf_dflash.decoding import policy, speculative
+from hf_dflash.decoding.policy import Fallback, RoundOverhead, VerifyCosts, VerifyPlanner, measure_verify_costs
 from hf_dflash.model import generation_dflash
 
 USELESS_DRAFT_COSTS = VerifyCosts(verify=(1.0, 1.12, 1.24, 1.36), draft=0.13)  # SmolLM2's shape on a CPU
@@ -90,6 +90,87 @@ def test_best_num_nodes_counts_every_node_a_tree_may_accept():
     assert costs.best_num_nodes(chain_probs) == 2  # 1.75 / 1.2 = 1.46 beats 1.36 and 1.44
     assert costs.best_num_nodes(tree_probs) == 3  # 2.25 / 1.3 = 1.73 beats 1.9 / 1.2 and 2.55 / 3.0
     assert costs.best_num_draft(torch.tensor([[0.5, 0.5, 0.5]])) == costs.best_num_nodes(chain_probs)
+
+
+def test_round_overhead_fits_fixed_and_per_node_seconds():
+    overhead = RoundOverhead(window=8, min_rounds=4)
+    for num_nodes in (0, 2, 4):
+        overhead.record(num_nodes, 0.010 + 0.002 * num_nodes)
+    assert overhead.fixed_and_per_node == (0.0, 0.0)  # too few rounds to judge
+    assert overhead.seconds(3).tolist() == [0.0] * 4
+    overhead.record(6, 0.010 + 0.002 * 6)
+    fixed, per_node = overhead.fixed_and_per_node
+    assert fixed == pytest.approx(0.010) and per_node == pytest.approx(0.002)
+    assert overhead.seconds(2).tolist() == pytest.approx([0.010, 0.012, 0.014])
+
+
+def test_round_overhead_clamps_an_outlier_and_never_goes_negative():
+    overhead = RoundOverhead(window=16, min_rounds=4)
+    for num_nodes in (1, 3, 5, 7) * 3:
+        overhead.record(num_nodes, 0.004 + 0.001 * num_nodes)
+    overhead.record(3, 0.5)  # a prompt's first draft read the whole prompt
+    fixed, per_node = overhead.fixed_and_per_node
+    assert fixed == pytest.approx(0.004, abs=0.002) and per_node == pytest.approx(0.001, abs=0.0005)
+    faster = RoundOverhead(window=8, min_rounds=4)
+    for num_nodes in (0, 2, 4, 6):
+        faster.record(num_nodes, 0.003 - 0.001 * num_nodes)  # rounds faster than the modelled forwards
+    assert faster.seconds(6).tolist() == pytest.approx([0.003, 0.002, 0.001, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_round_overhead_keeps_its_slope_while_the_plans_keep_one_length():
+    overhead = RoundOverhead(window=8, min_rounds=4)
+    for num_nodes in (0, 2, 4, 6):
+        overhead.record(num_nodes, 0.001 * num_nodes)
+    for _ in range(8):  # the plan settled on 3 nodes: the window's node counts no longer vary
+        overhead.record(3, 0.003)
+    assert overhead.fixed_and_per_node == pytest.approx((0.0, 0.001))
+    for _ in range(8):  # ... and its rounds now spend 1 ms more
+        overhead.record(3, 0.004)
+    fixed, per_node = overhead.fixed_and_per_node
+    assert per_node == pytest.approx(0.001) and fixed == pytest.approx(0.001)
+
+
+def test_best_num_nodes_weighs_a_rounds_overhead():
+    costs = VerifyCosts(verify=(1.0, 1.1, 1.2, 1.3), draft=0.0)
+    probs = torch.tensor([[0.5, 0.25, 0.125]])  # a chain: expected 1, 1.5, 1.75, 1.875
+    assert costs.best_num_nodes(probs) == 2  # 1.75 / 1.2 = 1.46 beats 1.5 / 1.1 and 1.875 / 1.3
+
+    def overhead(fixed: float, per_node: float) -> RoundOverhead:
+        learned = RoundOverhead(min_rounds=2)
+        for num_nodes in (0, 3):
+            learned.record(num_nodes, fixed + per_node * num_nodes)
+        return learned
+
+    assert costs.best_num_nodes(probs, overhead(0.0, 0.2)) == 1  # 1.5 / 1.3 beats 1.75 / 1.6 and 1 / 1
+    assert costs.best_num_nodes(probs, overhead(2.0, 0.0)) == 3  # 1.875 / 3.3 beats 1.75 / 3.2
+
+
+def test_plans_learn_what_rounds_spend_beside_their_measured_forwards(monkeypatch, modelled_device):
+    """Measured costs (`"auto"`, here the modelled device's) plus 0.05 s a verified node that no forward spends: the
+    planner learns the 0.05 and verifies fewer proposals than a planner told the forwards alone, still exactly."""
+    target = make_target("llama")
+    prompt = random_prompt(12, seed=4)
+    reference = greedy_reference(target, prompt, 60)
+    draft = make_oracle(target, [reference], p_wrong=0.3, block_size=8)
+    costs = quadratic_costs(8, 0.002)
+    modelled_device.attach(target, draft, costs)
+    monkeypatch.setattr(policy, "measure_verify_costs", lambda *args, **kwargs: costs)
+    original_accept = speculative.accept
+
+    def billed_accept(setup, proposal, target_logits):
+        modelled_device.now += 0.05 * proposal.tree.num_nodes
+        return original_accept(setup, proposal, target_logits)
+
+    monkeypatch.setattr(speculative, "accept", billed_accept)
+    run = functools.partial(speculative_generate, target, draft, prompt[None], max_new_tokens=60, tree=False)
+    measured, fixed = VerifyPlanner(), VerifyPlanner(costs=costs)
+    learned = run(verify_costs="auto", planner=measured)
+    told = run(verify_costs="auto", planner=fixed)
+    assert learned.sequences[0].tolist() == told.sequences[0].tolist() == reference.tolist()
+    [overhead] = measured._overheads.values()
+    assert overhead.fixed_and_per_node == pytest.approx((0.0, 0.05), abs=1e-6)
+    assert not fixed._overheads  # fixed costs are the caller's whole model
+    assert learned.stats.verified_drafts_per_round < told.stats.verified_drafts_per_round
 
 
 def test_fallback_pauses_drafting_that_does_not_pay_and_backs_off():

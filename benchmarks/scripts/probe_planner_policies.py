@@ -43,7 +43,7 @@ def run(name, fallback=True, scale=1.0, tree=None):
         policy.Fallback.record = lambda *a, **k: None
     bn = VerifyCosts.best_num_nodes
     if scale != 1.0:
-        VerifyCosts.best_num_nodes = lambda self, pp: bn(self, pp * scale)
+        VerifyCosts.best_num_nodes = lambda self, pp, overhead=None: bn(self, pp * scale, overhead)
     toks = 0
     taus = []
     planner = VerifyPlanner(costs=costs)  # the fallback's judgement carries from prompt to prompt

@@ -194,6 +194,7 @@ def _setup(target, draft, max_new_tokens: int, max_tree_nodes: int, sampled: boo
         pass_positions="position_ids" in parameters,
         pass_logits_to_keep="logits_to_keep" in parameters,
         verify_costs=None,
+        learns_overhead=False,
         planner=VerifyPlanner(),
         max_tree_nodes=max_tree_nodes,
         sample_proposals=True,

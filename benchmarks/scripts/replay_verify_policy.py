@@ -26,7 +26,13 @@ import torch  # noqa: E402
 
 from hf_dflash import DFlashForDrafting, speculative_generate  # noqa: E402
 from hf_dflash.bench.harness import load_benchmark_prompts  # noqa: E402
-from hf_dflash.decoding.policy import Fallback, VerifyCosts, VerifyPlanner, measure_verify_costs  # noqa: E402
+from hf_dflash.decoding.policy import (  # noqa: E402
+    Fallback,
+    RoundOverhead,
+    VerifyCosts,
+    VerifyPlanner,
+    measure_verify_costs,
+)
 from hf_dflash.targets import load_target  # noqa: E402
 
 SCALES = (1.0, 0.8, 0.6)
@@ -38,7 +44,7 @@ class RecordingCosts(VerifyCosts):
 
     recorded: list[list[float]] = field(default_factory=list)
 
-    def best_num_nodes(self, path_probs: torch.Tensor) -> int:
+    def best_num_nodes(self, path_probs: torch.Tensor, overhead: RoundOverhead | None = None) -> int:
         """A chain's path probabilities are the running products of the proposals' confidences: record those."""
         previous = torch.cat([path_probs.new_ones(path_probs.shape[0], 1), path_probs[:, :-1]], dim=1)
         self.recorded.append((path_probs / previous)[0].tolist())

@@ -11,9 +11,11 @@ keeps the first `N` that maximise
 
 where `P(node accepted)` is the node's path probability under the draft (for a chain: `prod_{j <= i} c_j`, `c_j` the
 draft's probability for its own j-th proposal); `N = 0` is a plain step. Rows of a batch share one forward, so their
-expected tokens add up. `Fallback` goes further when drafting stops paying: it skips the draft altogether for a
-number of plain steps (doubling while probes keep failing), judged on the tokens rounds really committed in the
-seconds they really took, against the plain steps' own measured seconds.
+expected tokens add up. With measured costs, `speculative_generate` also adds to each candidate's seconds what its
+rounds spend beside those forwards (`RoundOverhead`: tree masks, acceptance, cache bookkeeping), learned from its
+own timed rounds. `Fallback` goes further when drafting stops paying: it skips the draft altogether for a number of
+plain steps (doubling while probes keep failing), judged on the tokens rounds really committed in the seconds they
+really took, against the plain steps' own measured seconds.
 
 `VerifyPlanner` is what a caller holds across calls: the costs it measured (per batch size, device, dtype and
 kernels), each decoding path's `Fallback` (so a drafter that does not pay on some prompts costs their probes once,
@@ -61,16 +63,19 @@ class VerifyCosts:
         """The most nodes a plan can verify: forwards were timed over up to `max_nodes + 1` tokens."""
         return len(self.verify) - 1
 
-    def best_num_nodes(self, path_probs: torch.Tensor) -> int:
+    def best_num_nodes(self, path_probs: torch.Tensor, overhead: RoundOverhead | None = None) -> int:
         """How many of the best-first nodes to verify, given each node's path probability `[b, N]` -> `0 .. N`.
 
-        Rows of a batch share one verify forward, so their expected tokens add up.
+        Rows of a batch share one verify forward, so their expected tokens add up. `overhead`: what a round of this
+        kind spends beside its forwards, added to each candidate's seconds.
         """
         num_nodes = min(path_probs.shape[1], self.max_nodes)
         # [N]: expected rows that accept each node; on the host, like the costs (the plan is a host-side number)
         reach = path_probs[:, :num_nodes].float().sum(0).cpu()
         expected = torch.cat([reach.new_tensor([float(path_probs.shape[0])]), reach]).cumsum(0)  # [N + 1]
         seconds = self.draft + torch.tensor(self.verify[: num_nodes + 1], dtype=expected.dtype)
+        if overhead is not None:
+            seconds = seconds + overhead.seconds(num_nodes)
         return int((expected / seconds).argmax())
 
     def best_num_draft(self, confidences: torch.Tensor) -> int:
@@ -84,6 +89,56 @@ class VerifyCosts:
     def relative(self) -> list[float]:
         """Verify costs relative to a forward over one token (for reports)."""
         return [round(cost / self.verify[0], 3) for cost in self.verify]
+
+
+@dataclass
+class RoundOverhead:
+    """Seconds a drafted round spends beyond its modelled forwards (`VerifyCosts.seconds`: the draft and the verify
+    forward): the plan, the tree mask and positions, the acceptance, the cache bookkeeping and the Python between
+    them, learned from the loop's own timed rounds, so the plan weighs what a round of this kind really costs.
+
+    Kinds of rounds differ in what they spend per node (a tree's mask, a sampled chain's warped target rows), so the
+    excess is fitted as `fixed + per_node * n` over the last `window` rounds by medians, which a few outliers do not
+    move (a prompt's first draft, which reads the whole prompt, is not a round's usual cost). While the window's node
+    counts hardly vary (a plan that settled on one length) the slope cannot be told from the rest: the last one
+    fitted stays and only the fixed part follows. Until `min_rounds` are in, and wherever the fit is negative (rounds
+    faster than their model, as on a context shorter than the costs'), the overhead is zero.
+    """
+
+    window: int = 64
+    min_rounds: int = 8
+    _rounds: list[tuple[int, float]] = field(default_factory=list, init=False)  # (nodes verified, excess seconds)
+    _fit: tuple[float, float] = field(default=(0.0, 0.0), init=False)  # (fixed, per_node) seconds
+
+    def record(self, num_nodes: int, excess_seconds: float) -> None:
+        """A drafted round verified `num_nodes` nodes in `excess_seconds` more than its modelled forwards."""
+        self._rounds = [*self._rounds, (num_nodes, excess_seconds)][-self.window :]
+        if len(self._rounds) >= self.min_rounds:
+            self._fit = _fit_line(self._rounds, slope_if_flat=self._fit[1])
+
+    @property
+    def fixed_and_per_node(self) -> tuple[float, float]:
+        """The fitted `(fixed, per_node)` seconds (zeros until `min_rounds` rounds are in)."""
+        return self._fit
+
+    def seconds(self, max_nodes: int) -> torch.Tensor:
+        """The overhead of a round verifying `n = 0 .. max_nodes` nodes `[max_nodes + 1]`, never negative."""
+        fixed, per_node = self._fit
+        return (fixed + per_node * torch.arange(max_nodes + 1, dtype=torch.float32)).clamp(min=0.0)
+
+
+def _fit_line(points: list[tuple[int, float]], slope_if_flat: float) -> tuple[float, float]:
+    """Theil-Sen `(intercept, slope)` of `y` over `(x, y)` points: the median slope over pairs with different `x`,
+    then the median intercept, so a few outliers move neither. Where `x` varies by less than one (its standard
+    deviation) the slope is `slope_if_flat`."""
+    x = torch.tensor([float(n) for n, _ in points], dtype=torch.float64)
+    y = torch.tensor([excess for _, excess in points], dtype=torch.float64)
+    slope = slope_if_flat
+    if float(x.std(correction=0)) >= 1.0:
+        dx, dy = x[None] - x[:, None], y[None] - y[:, None]  # [n, n]
+        pairs = dx > 0
+        slope = float((dy[pairs] / dx[pairs]).median())
+    return float((y - slope * x).median()), slope
 
 
 @dataclass
@@ -199,6 +254,7 @@ class VerifyPlanner:
 
     - costs: `costs` if given (fixed), else measured by `measure_verify_costs` once per setting (`costs_for`);
     - each decoding path's `Fallback` (`fallback`): a pause under way, its backoff, the timed rounds and plain steps;
+    - each decoding path's `RoundOverhead` (`round_overhead`): what its rounds spend beside the measured forwards;
     - whether the target verifies draft trees exactly, per attention implementation (`supports_trees`).
 
     Pass one planner to every call that should share this (`speculative_generate(..., planner=planner)`; for
@@ -210,6 +266,7 @@ class VerifyPlanner:
     costs: VerifyCosts | None = None
     _measured: dict[tuple, VerifyCosts] = field(default_factory=dict, init=False, repr=False)
     _fallbacks: dict[tuple[str, VerifyCosts], Fallback] = field(default_factory=dict, init=False, repr=False)
+    _overheads: dict[tuple[str, VerifyCosts], RoundOverhead] = field(default_factory=dict, init=False, repr=False)
     _tree_support: dict[tuple[int, str | None], bool] = field(default_factory=dict, init=False, repr=False)
 
     def __deepcopy__(self, memo: dict) -> VerifyPlanner:
@@ -241,6 +298,13 @@ class VerifyPlanner:
         if key not in self._fallbacks:
             self._fallbacks[key] = Fallback(costs)
         return self._fallbacks[key]
+
+    def round_overhead(self, costs: VerifyCosts, path: str) -> RoundOverhead:
+        """The `RoundOverhead` of one decoding `path` planning with measured `costs`, learned across calls."""
+        key = (path, costs)
+        if key not in self._overheads:
+            self._overheads[key] = RoundOverhead()
+        return self._overheads[key]
 
     def supports_trees(self, target: PreTrainedModel) -> bool:
         """`supports_tree_verification(target)`, checked once per target and attention implementation."""

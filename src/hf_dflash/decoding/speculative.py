@@ -59,7 +59,7 @@ from hf_dflash.model.generation_dflash import (
 )
 
 from .cpu_kernels import is_optimized_for_cpu, optimize_target_and_draft_for_cpu
-from .policy import VerifyCosts, VerifyPlanner
+from .policy import RoundOverhead, VerifyCosts, VerifyPlanner
 from .tree import (
     DraftTree,
     accept_greedy,
@@ -248,6 +248,7 @@ def speculative_generate(
         pass_positions="position_ids" in parameters,
         pass_logits_to_keep="logits_to_keep" in parameters,
         verify_costs=costs,
+        learns_overhead=costs is not None and verify_costs == "auto" and planner.costs is None,
         planner=planner,
         max_tree_nodes=max_tree_nodes,
         sample_proposals=sample_proposals,
@@ -438,6 +439,7 @@ class _Setup:
     pass_positions: bool  # the target's forward takes `position_ids`
     pass_logits_to_keep: bool  # ... and `logits_to_keep`
     verify_costs: VerifyCosts | None
+    learns_overhead: bool  # the costs were measured: plans add what this path's rounds spend beside the forwards
     planner: VerifyPlanner  # keeps each path's fallback (and what it measured) for the caller's next call
     max_tree_nodes: int  # 0: chains only
     sample_proposals: bool  # sampling: propose samples of q (True) or the draft's argmax with a one-hot q
@@ -450,6 +452,12 @@ class _Setup:
     def proposal_warpers(self) -> LogitsProcessorList:
         """What shapes the draft's proposal distribution `q` (`proposal_warpers`)."""
         return proposal_warpers(self.warpers)
+
+    @functools.cached_property
+    def round_overhead(self) -> RoundOverhead | None:
+        """What this path's rounds spend beside their modelled forwards, learned as they run (measured costs only:
+        fixed costs are the caller's whole model)."""
+        return self.planner.round_overhead(self.verify_costs, self.path) if self.learns_overhead else None
 
     @property
     def path(self) -> str:
@@ -522,9 +530,11 @@ def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Te
         end = synchronized_clock(state.bonus.device)
         stats.verify_time_s += end - verify_start
         if setup.verify_costs is not None:
-            stats.bare_forward_s += setup.verify_costs.verify[
-                min(proposal.tree.num_nodes, setup.verify_costs.max_nodes)
-            ]
+            modelled_nodes = min(proposal.tree.num_nodes, setup.verify_costs.max_nodes)
+            stats.bare_forward_s += setup.verify_costs.verify[modelled_nodes]
+            if proposal.drafted and setup.round_overhead is not None:
+                excess = end - start - setup.verify_costs.seconds(modelled_nodes)
+                setup.round_overhead.record(proposal.tree.num_nodes, excess)
         active = int((~state.done).sum())
         accepted = [row[: n - 1] + [b] for row, n, b in zip(tokens.tolist(), lengths.tolist(), new_bonus.tolist())]
         committed = commit(setup, state, accepted, stats, streamer, count_round=proposal.drafted)
@@ -654,7 +664,7 @@ def _planned(setup: _Setup, state: DecodeState, candidates: DraftTree) -> DraftT
     if setup.verify_costs is None:
         return candidates
     path_probs = candidates.path_probs.cpu()[~state.done]  # one host copy; `done` lives on the host
-    return candidates.first(setup.verify_costs.best_num_nodes(path_probs))
+    return candidates.first(setup.verify_costs.best_num_nodes(path_probs, setup.round_overhead))
 
 
 def _plain_step(state: DecodeState) -> Proposal:
