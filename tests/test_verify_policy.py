@@ -163,14 +163,19 @@ def test_plans_learn_what_rounds_spend_beside_their_measured_forwards(monkeypatc
 
     monkeypatch.setattr(speculative, "accept", billed_accept)
     run = functools.partial(speculative_generate, target, draft, prompt[None], max_new_tokens=60, tree=False)
-    measured, fixed = VerifyPlanner(), VerifyPlanner(costs=costs)
+    measured, fixed, given = VerifyPlanner(), VerifyPlanner(costs=costs), VerifyPlanner()
     learned = run(verify_costs="auto", planner=measured)
     told = run(verify_costs="auto", planner=fixed)
     assert learned.sequences[0].tolist() == told.sequences[0].tolist() == reference.tolist()
     [overhead] = measured._overheads.values()
     assert overhead.fixed_and_per_node == pytest.approx((0.0, 0.05), abs=1e-6)
-    assert not fixed._overheads  # fixed costs are the caller's whole model
     assert learned.stats.verified_drafts_per_round < told.stats.verified_drafts_per_round
+    # the costs the planner measured, passed back as an object (as the benchmark does): the same path learns on
+    rounds_before = list(overhead._rounds)
+    run(verify_costs=measured.costs_for(target, draft, batch_size=1), planner=measured)
+    assert list(measured._overheads.values()) == [overhead] and overhead._rounds != rounds_before
+    run(verify_costs=costs, planner=given)  # costs a caller fixed are the whole model, as are a planner's own
+    assert not fixed._overheads and not given._overheads
 
 
 def test_fallback_pauses_drafting_that_does_not_pay_and_backs_off():

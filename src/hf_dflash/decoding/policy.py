@@ -299,6 +299,10 @@ class VerifyPlanner:
             self._fallbacks[key] = Fallback(costs)
         return self._fallbacks[key]
 
+    def measured(self, costs: VerifyCosts) -> bool:
+        """Whether `costs` are ones this planner measured (`costs_for`), not fixed by a caller."""
+        return any(known is costs for known in self._measured.values())
+
     def round_overhead(self, costs: VerifyCosts, path: str) -> RoundOverhead:
         """The `RoundOverhead` of one decoding `path` planning with measured `costs`, learned across calls."""
         key = (path, costs)

@@ -248,7 +248,7 @@ def speculative_generate(
         pass_positions="position_ids" in parameters,
         pass_logits_to_keep="logits_to_keep" in parameters,
         verify_costs=costs,
-        learns_overhead=costs is not None and verify_costs == "auto" and planner.costs is None,
+        learns_overhead=costs is not None and planner.measured(costs),
         planner=planner,
         max_tree_nodes=max_tree_nodes,
         sample_proposals=sample_proposals,
