@@ -469,7 +469,8 @@ def test_cli_prints_json_last_and_fails_on_mismatch(monkeypatch, capsys, tmp_pat
     assert json.loads(last) == json.loads(output.read_text())
     assert json.loads(last)["config"]["methods"] == ["ours"]
     assert json.loads(last)["config"]["plain_threads"] == [OTHER_THREADS]
-    assert json.loads(last)["methods"] == ["plain", PLAIN_OTHER, STOCK_BASELINE, "ours"]  # prepared: stock plain too
+    stock_other = plain_threads_name(OTHER_THREADS, STOCK_BASELINE)
+    assert json.loads(last)["methods"] == ["plain", STOCK_BASELINE, PLAIN_OTHER, stock_other, "ours"]  # stock too
     assert output.with_suffix(".png").is_file()
     written = json.loads(output.read_text())
     assert written["conditions"]["command"].startswith("hf-dflash") and written["conditions"]["draft_path"] == draft
@@ -576,6 +577,31 @@ def test_an_exact_run_has_plain_on_fast_kernels_among_its_baselines(monkeypatch)
     assert target.config._attn_implementation == EXACT_ATTENTION  # exact mode again after every plain_fast call
     fast_prepared = optimize_target_and_draft_for_cpu(make_target("llama"), exact=False)
     assert FAST_BASELINE not in benchmark._method_table(tiny_config(), None, fast_prepared, VerifyPlanner())[1]
+
+
+def test_every_plain_variant_runs_at_the_other_thread_counts(monkeypatch):
+    """Plain decoding at its fastest may be fast mode's kernels at another thread count: `--plain_threads n` times each
+    plain variant at `n` threads, each a baseline, on its own kernels; their outputs are judged as their kernels'."""
+    from hf_dflash.bench.methods import kernels_of
+    from hf_dflash.decoding.cpu_kernels import CPUPreparation, optimize_target_and_draft_for_cpu
+
+    target = make_target("llama")
+    draft = make_draft(target, block_size=4, num_hidden_layers=1)
+    preparation = optimize_target_and_draft_for_cpu(target, draft, exact=True)
+    fast_threads = []
+    real_fast = CPUPreparation.fast
+    monkeypatch.setattr(
+        CPUPreparation, "fast", lambda self: fast_threads.append(torch.get_num_threads()) or real_fast(self)
+    )
+    config = tiny_config(methods=("ours",), plain_threads=(OTHER_THREADS,))
+    report = run_benchmark(config, target, None, draft, prompts=PROMPTS[:2], preparation=preparation)
+    variants = ["plain", STOCK_BASELINE, FAST_BASELINE]
+    assert report.baselines == variants + [plain_threads_name(OTHER_THREADS, v) for v in variants]
+    assert f"{FAST_BASELINE}_threads{OTHER_THREADS}" in report.baselines
+    assert set(fast_threads) == {torch.get_num_threads(), OTHER_THREADS}  # fast kernels at both counts
+    assert report.identical and not report.failures
+    assert [kernels_of(name) for name in report.baselines] == variants * 2
+    assert kernels_of("ours") == "ours" and kernels_of("plain_threads") == "plain_threads"
 
 
 def test_batch_throughput_needs_one_repeat(target, draft):

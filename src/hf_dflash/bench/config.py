@@ -74,8 +74,9 @@ class BenchmarkConfig:
     plain_threads: tuple[int, ...] = field(
         default=(),
         metadata={
-            "help": "also time plain generate at these torch thread counts (method plain_threadsN; the default count "
-            "is `plain`); every speedup is against the faster plain of each dataset",
+            "help": "also time plain generate at these torch thread counts, each plain variant (plain_threadsN, "
+            "plain_stock_threadsN, plain_fast_threadsN; the default count is `plain`); every speedup is against the "
+            "fastest plain of each dataset",
             "metavar": "N",
             "group": "methods",
         },

@@ -62,6 +62,7 @@ from hf_dflash.bench.methods import (
     benchmark_verify_costs,
     default_methods,
     extra_thread_counts,
+    kernels_of,
     not_applicable,
     other_kernel_plain_methods,
     other_kernel_plains,
@@ -245,13 +246,14 @@ def _method_table(
     preparation: CPUPreparation | None,
     planner: VerifyPlanner,
 ) -> tuple[dict[str, Method], list[str]]:
-    """The name -> method table (a caller's own entries win) and the baselines: `plain`, the `plain_threads`
-    variants, `plain_stock` when `preparation` is active and `plain_fast` when it is also exact."""
+    """The name -> method table (a caller's own entries win) and the baselines: `plain`, `plain_stock` when
+    `preparation` is active and `plain_fast` when it is also exact, and each of them at the `plain_threads` counts."""
     if methods is None:
         methods = default_methods(config.prompt_lookup_num_tokens, config.verify_costs, planner)
-    baselines = [BASELINE] + [plain_threads_name(n) for n in extra_thread_counts(config.plain_threads)]
-    methods = plain_thread_methods(config.plain_threads) | methods  # a caller's own entry wins
-    baselines += other_kernel_plains(preparation)
+    kernels = [BASELINE, *other_kernel_plains(preparation)]
+    counts = extra_thread_counts(config.plain_threads)
+    baselines = kernels + [plain_threads_name(n, variant) for n in counts for variant in kernels]
+    methods = plain_thread_methods(config.plain_threads, preparation) | methods  # a caller's own entry wins
     return other_kernel_plain_methods(preparation) | methods, baselines
 
 
@@ -343,10 +345,10 @@ def _compare_outputs(runs: Sequence[TimedRun], do_sample: bool) -> tuple[list[Mi
     """Greedy outputs against plain's: the mismatches, and the differences of plain on other kernels (`plain_stock`,
     `plain_fast`: not failures)."""
     differences = [] if do_sample else find_mismatches(runs)
-    mismatches = [m for m in differences if m.method not in OTHER_KERNEL_PLAINS]
+    mismatches = [m for m in differences if kernels_of(m.method) not in OTHER_KERNEL_PLAINS]
     for mismatch in mismatches:
         logger.error(f"OUTPUT MISMATCH vs {BASELINE}: {mismatch.to_json()}")
-    return mismatches, [m for m in differences if m.method in OTHER_KERNEL_PLAINS]
+    return mismatches, [m for m in differences if kernels_of(m.method) in OTHER_KERNEL_PLAINS]
 
 
 def _dataset_summaries(
@@ -440,8 +442,8 @@ def run_benchmark(
             token, so it may be `None` when `prompts` are given.
         prompts: tokenized prompts to use instead of loading `config.datasets`.
         methods: name -> method table, default `default_methods(config.prompt_lookup_num_tokens,
-            config.verify_costs)`, with `plain_thread_methods(config.plain_threads)` added where it has no entry of
-            that name; every name in `config.methods` must be in it.
+            config.verify_costs)`, with `plain_thread_methods(config.plain_threads, preparation)` added where it has
+            no entry of that name; every name in `config.methods` must be in it.
         preparation: what `optimize_for_cpu` did to `target` (its drafter prepared alike); adds the `plain_stock`
             baseline and the stock cost curve.
         planner: what the default methods plan with and the cost curves are measured into (a fresh one by default).

@@ -30,6 +30,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import logging
 
 from hf_dflash.bench.config import (
+    BASELINE,
     COST_CURVE_TOKENS,
     FAST_BASELINE,
     GREEDY_ONLY,
@@ -59,12 +60,13 @@ def _plain_on_other_kernels(
         return _plain(target, draft, input_ids, attention_mask, **kwargs)
 
 
-def _plain_with_threads(target, draft, input_ids, attention_mask, num_threads: int, **kwargs):
-    """Plain decoding at `num_threads` torch threads; the thread count is restored afterwards."""
+def _plain_with_threads(target, draft, input_ids, attention_mask, num_threads: int, plain: Method = _plain, **kwargs):
+    """Plain decoding (`plain`: a plain variant's method) at `num_threads` torch threads; the thread count is restored
+    afterwards."""
     default = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        return _plain(target, draft, input_ids, attention_mask, **kwargs)
+        return plain(target, draft, input_ids, attention_mask, **kwargs)
     finally:
         torch.set_num_threads(default)
 
@@ -162,14 +164,32 @@ def other_kernel_plain_methods(preparation: CPUPreparation | None) -> dict[str, 
     }
 
 
-def plain_threads_name(num_threads: int) -> str:
-    """The method name of plain decoding at `num_threads` torch threads."""
-    return f"plain_threads{num_threads}"
+def plain_threads_name(num_threads: int, kernels: str = BASELINE) -> str:
+    """The method name of plain variant `kernels` (`plain`, `plain_stock`, `plain_fast`) at `num_threads` torch
+    threads: `plain_threads1`, `plain_fast_threads1`."""
+    return f"{kernels}_threads{num_threads}"
 
 
-def plain_thread_methods(thread_counts: Sequence[int]) -> dict[str, Method]:
-    """`plain_threads{n}`: `target.generate` at `n` torch threads, for each count."""
-    return {plain_threads_name(n): functools.partial(_plain_with_threads, num_threads=n) for n in thread_counts}
+def kernels_of(method: str) -> str:
+    """The plain variant a method name runs the kernels of (`plain_fast_threads1` -> `plain_fast`); other names as
+    they are."""
+    stem, _, count = method.rpartition("_threads")
+    return stem if stem and count.isdigit() else method
+
+
+def plain_thread_methods(thread_counts: Sequence[int], preparation: CPUPreparation | None = None) -> dict[str, Method]:
+    """Every plain variant (`plain` and, beside a `preparation`, `other_kernel_plains`) at each of `thread_counts`
+    torch threads: `plain_threads{n}`, `plain_stock_threads{n}`, `plain_fast_threads{n}`. Plain decoding at its
+    fastest may be any of them: on a 2-core EPYC under `OMP_WAIT_POLICY=PASSIVE`, bf16 plain decoding ran 1.4x
+    faster at 1 thread than at 2."""
+    methods = {}
+    for n in thread_counts:
+        methods[plain_threads_name(n)] = functools.partial(_plain_with_threads, num_threads=n)
+        for kernels, plain in other_kernel_plain_methods(preparation).items():
+            methods[plain_threads_name(n, kernels)] = functools.partial(
+                _plain_with_threads, num_threads=n, plain=plain
+            )
+    return methods
 
 
 def extra_thread_counts(thread_counts: Sequence[int]) -> list[int]:
