@@ -338,6 +338,13 @@ def test_measured_costs_cover_the_block_and_are_cached_per_batch_size():
     assert planner.costs_for(target, draft, batch_size=1) is once
     assert planner.costs_for(target, draft, batch_size=2) is not once
     assert VerifyPlanner().costs_for(target, draft, batch_size=1) is not once  # memory is the planner's
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads != 1 else 2)  # forwards cost otherwise at another thread count
+    try:
+        assert planner.costs_for(target, draft, batch_size=1) is not once
+    finally:
+        torch.set_num_threads(threads)
+    assert planner.costs_for(target, draft, batch_size=1) is once
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gpt2"])

@@ -277,12 +277,12 @@ class VerifyPlanner:
     ) -> VerifyCosts:
         """The fixed `costs`, else `measure_verify_costs` over at least `max_tokens` (default: the block size) new
         tokens, measured once per (block size, batch size, device, dtype, kernels: whether `optimize_for_cpu`
-        prepared the target and its attention implementation): a later request for fewer tokens gets the same
-        object, one for more measures again and keeps the longer curve."""
+        prepared the target, its attention implementation and torch's thread count): a later request for fewer tokens
+        gets the same object, one for more measures again and keeps the longer curve."""
         if self.costs is not None:
             return self.costs
         max_tokens = max_tokens or draft.config.block_size
-        kernels = (is_optimized_for_cpu(target), target.config._attn_implementation)
+        kernels = (is_optimized_for_cpu(target), target.config._attn_implementation, torch.get_num_threads())
         key = (id(target), draft.config.block_size, batch_size, str(target.device), str(target.dtype), kernels)
         known = self._measured.get(key)
         if known is None or len(known.verify) < max_tokens:
