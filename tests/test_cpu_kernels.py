@@ -3,6 +3,8 @@ that a prepared model is still the same model (saved weights, tied heads, LoRA, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import PAD, greedy_reference, left_pad, make_target
@@ -15,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 
 from hf_dflash import is_optimized_for_cpu, optimize_for_cpu, speculative_generate
 from hf_dflash.decoding import cpu_attention, cpu_kernels
-from hf_dflash.decoding.attention_kernel import compiled_attention
+from hf_dflash.decoding.compiled_kernels import compiled_attention, compiled_linear
 from hf_dflash.decoding.cpu_attention import EXACT_ATTENTION, FAST_ATTENTION, exact_attention_forward
 from hf_dflash.decoding.cpu_kernels import MEASURED_ROWS, KernelChoices, LinearKernel, PreparedLinear
 
@@ -99,8 +101,9 @@ def test_prepared_linears_take_slices_as_lm_heads_get_them(dtype, packed):
 def test_exact_mode_runs_products_in_fixed_chunks_where_no_kernel_is_row_invariant_and_in_16_bits(
     monkeypatch, family, dtype
 ):
-    """fp32 where the unchunked kernels fail the check (forced here); bf16 always. The block forward gives the
-    one-token bits and the model's logits."""
+    """fp32 where the unchunked kernels fail the check (forced here); bf16 always, without the compiled row-invariant
+    kernel (left out here). The block forward gives the one-token bits and the model's logits."""
+    monkeypatch.setattr(cpu_kernels, "compiled_linear", lambda: None)
     if dtype == torch.float32:
         monkeypatch.setattr(cpu_kernels, "_row_invariant", lambda product, weight: product.args[0].chunk_rows > 0)
     target = make_target(family, dtype=dtype)
@@ -119,12 +122,15 @@ def test_exact_mode_runs_products_in_fixed_chunks_where_no_kernel_is_row_invaria
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_exact_mode_checks_unchunked_kernels_in_fp32_only(monkeypatch, dtype):
     """A 16-bit product's rounding hides summation-order differences from the check, so bf16 and fp16 go to 16-row
-    chunks without trying the unchunked kernels; fp32 tries those first."""
+    chunks without trying the unchunked oneDNN or stock kernels; fp32 tries those first. (bf16 also tries the compiled
+    kernel, row-invariant by construction.)"""
     checked = []
     check = cpu_kernels._row_invariant
 
     def spy(product, weight):
-        checked.append(product.args[0].chunk_rows)
+        kernel = product.args[0]
+        if not kernel.row_invariant:
+            checked.append(kernel.chunk_rows)
         return check(product, weight)
 
     monkeypatch.setattr(cpu_kernels, "_row_invariant", spy)
@@ -251,6 +257,85 @@ def test_stock_kernels_do_not_give_those_bits_the_control(dtype):
         if not torch.equal(block, singles):
             differing.append(family)
     assert differing, f"stock {dtype} kernels give every family the exact bits on this CPU"
+
+
+# -- the compiled row-invariant bf16 linear ---------------------------------------------------------------------------
+
+CPU_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+needs_avx512_bf16 = pytest.mark.skipif(
+    "avx512_bf16" not in CPU_FLAGS, reason="the compiled row-invariant linear needs AVX512-BF16"
+)
+
+
+def forced_compiled() -> KernelChoices:
+    """Kernel choices that put every exact bf16 product with an even input width on the compiled row-invariant
+    kernel, instead of measuring which is faster (deterministic tests)."""
+
+    class Forced(KernelChoices):
+        def choose(self, weight, exact):
+            if exact and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
+                return LinearKernel((False,) * len(MEASURED_ROWS), row_invariant=True)
+            return super().choose(weight, exact)
+
+    return Forced()
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(48, 32, False), (100, 64, True), (1, 576, True)])
+def test_the_compiled_linear_is_the_product_and_row_invariant(out_features, in_features, bias):
+    assert compiled_linear() is not None, "the compiled row-invariant linear did not build on this AVX512-BF16 CPU"
+    pack, _ = compiled_linear()
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    x = torch.randn(37, in_features, generator=generator).bfloat16()
+    packed = pack(weight)
+    out = cpu_kernels.row_invariant_linear(x, packed, b, out_features)  # [37, out]
+    reference = nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert (out.float() - reference).abs().max() <= 2**-7 * reference.abs().max()  # one rounding to bf16
+    for start, rows in ((0, 1), (3, 2), (5, 16), (20, 17), (0, 37)):
+        part = cpu_kernels.row_invariant_linear(x[start : start + rows], packed, b, out_features)
+        assert torch.equal(part, out[start : start + rows])
+    assert cpu_kernels.row_invariant_linear(x[None, :5], packed, b, out_features).shape == (1, 5, out_features)
+
+
+@needs_avx512_bf16
+def test_the_compiled_linear_competes_for_even_bf16_weights_only():
+    choices = KernelChoices(repeats=1)
+    [(cost, kernel)] = choices._compiled_candidate(torch.randn(48, 32).bfloat16())
+    assert kernel.row_invariant and cost > 0 and not kernel.chunk_rows and not kernel.pad_single_row
+    assert choices._compiled_candidate(torch.randn(48, 32)) == []  # fp32: oneDNN's and MKL's kernels pass the check
+    assert choices._compiled_candidate(torch.randn(48, 33).bfloat16()) == []  # the kernel sums input pairs
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gpt_neox", "opt"])
+def test_exact_bf16_on_the_compiled_linear_gives_one_token_bits_and_plain_tokens(family):
+    target = make_target(family, dtype=torch.bfloat16)
+    preparation = optimize_for_cpu(target, exact=True, choices=forced_compiled())
+    assert all(linear.kernel.row_invariant for linear in preparation.linears)
+    assert "on the compiled row-invariant kernel" in preparation.summary()
+    block, singles = _block_and_single_token_logits(target)
+    assert torch.equal(block, singles)
+    prompt = random_prompt(12, seed=4)
+    reference = greedy_reference(target, prompt, 40)
+    draft = tree_oracle(target, [reference], 0.3, 0.1).to(torch.bfloat16)
+    ours = speculative_generate(
+        target, draft, prompt[None], max_new_tokens=40, tree=False if family in SLIDING else 16
+    )
+    assert ours.sequences[0].tolist() == reference.tolist() and ours.stats.tau > 1.5
+
+
+@needs_avx512_bf16
+def test_a_weight_changed_in_place_is_packed_again_for_the_compiled_linear():
+    target = make_target("llama", dtype=torch.bfloat16)
+    optimize_for_cpu(target, exact=True, choices=forced_compiled())
+    linear = target.model.layers[0].mlp.down_proj
+    x = torch.randn(3, linear.in_features).bfloat16()
+    with torch.no_grad():
+        linear.weight.mul_(-2.0)
+        expected = nn.functional.linear(x.float(), linear.weight.float())
+        assert (linear(x).float() - expected).abs().max() <= 2**-7 * expected.abs().max()
 
 
 # -- token identity ----------------------------------------------------------------------------------------------------
@@ -461,31 +546,44 @@ def test_a_dtype_onednn_cannot_pack_falls_back_with_a_warning(monkeypatch):
     assert any("cannot pack" in message for message in warnings)
 
 
+def _clear_compiled_kernels(compiled_kernels) -> None:
+    for cached in (compiled_kernels._built, compiled_kernels.compiled_attention, compiled_kernels.compiled_linear):
+        cached.cache_clear()
+
+
 @pytest.mark.parametrize(
     "missing",
-    [("_missing_tools", lambda: "ninja is not installed; `pip install ninja`"), ("SOURCE", "/nonexistent.cpp")],
+    [
+        ("_missing_tools", lambda: "ninja is not installed; `pip install ninja`"),
+        ("SOURCES", [Path("/nonexistent.cpp")]),
+    ],
 )
-def test_without_the_compiled_attention_exact_mode_says_why_and_stays_exact(monkeypatch, missing):
-    """No compiler or ninja, or a build that fails: a warning with the reason, then the pure-torch attention, still
-    bitwise exact."""
-    from hf_dflash.decoding import attention_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_without_the_compiled_kernels_exact_mode_says_why_and_stays_exact(monkeypatch, missing, dtype):
+    """No compiler or ninja, or a build that fails: a warning with the reason for each kernel exact mode asks for
+    (the linear in bf16 only), then the pure-torch attention and the padded products, still bitwise exact."""
+    from hf_dflash.decoding import compiled_kernels
 
     warnings = []
-    monkeypatch.setattr(attention_kernel, *missing)
-    monkeypatch.setattr(attention_kernel, "_build_name", lambda: "hf_dflash_test_missing_kernel")
-    monkeypatch.setattr(attention_kernel.logger, "warning", warnings.append)
-    attention_kernel.compiled_attention.cache_clear()
+    monkeypatch.setattr(compiled_kernels, *missing)
+    monkeypatch.setattr(compiled_kernels, "_build_name", lambda: "hf_dflash_test_missing_kernel")
+    monkeypatch.setattr(compiled_kernels.logger, "warning", warnings.append)
+    _clear_compiled_kernels(compiled_kernels)
     try:
-        target = make_target("qwen2")
-        optimize_for_cpu(target, exact=True)
+        target = make_target("qwen2", dtype=dtype)
+        preparation = optimize_for_cpu(target, exact=True)
         block, singles = _block_and_single_token_logits(target)
-        assert attention_kernel.compiled_attention() is None
+        warnings = list(warnings)  # what preparing and running the model said
+        assert compiled_kernels.compiled_attention() is None and compiled_kernels.compiled_linear() is None
     finally:
-        attention_kernel.compiled_attention.cache_clear()
+        _clear_compiled_kernels(compiled_kernels)
     assert torch.equal(block, singles)
-    assert len(warnings) == 1 and "pure-torch" in warnings[0]
-    expected = "pip install ninja" if missing[0] == "_missing_tools" else "building it failed"
-    assert expected in warnings[0]
+    assert not any(linear.kernel.row_invariant for linear in preparation.linears)
+    expected = "pip install ninja" if missing[0] == "_missing_tools" else "building them failed"
+    assert len(warnings) == (2 if dtype == torch.bfloat16 else 1) and all(expected in w for w in warnings)
+    assert "pure-torch" in warnings[-1]
+    if dtype == torch.bfloat16:
+        assert "padded chunks of 16 rows" in warnings[0]
 
 
 def test_a_failed_preparation_leaves_the_model_stock():

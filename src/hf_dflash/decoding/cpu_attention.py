@@ -11,7 +11,7 @@ token transformers calls sdpa without a mask, for several with one, and the CPU 
 by their counts, so the row of a verify forward sums in another order than the one-token forward of the same token.
 Here each row is computed from its own query and its allowed keys (from the mask: causal, padding, holes a ragged
 batch leaves, a draft tree's ancestors), in cache order, the same way whatever else shares the call: by a small C++
-kernel (`row_invariant_attention.cpp`, built on first use by `hf_dflash.decoding.attention_kernel`; a loop per row),
+kernel (`row_invariant_attention.cpp`, built on first use by `hf_dflash.decoding.compiled_kernels`; a loop per row),
 or, where it cannot be built (no compiler or ninja, said once), in pure torch, for each query row:
 
 1. its allowed keys are gathered to the front, in cache order, so the row sees the same key sequence wherever the
@@ -39,7 +39,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention_kernel import compiled_attention
+from .compiled_kernels import compiled_attention
 
 # Not "*flash*": transformers reads such names as flash-attention kernels.
 EXACT_ATTENTION = "row_invariant"

@@ -23,7 +23,10 @@ prepared model, so greedy speculative decoding is token-identical to plain decod
   (a row's result does not depend on how many rows share the call), and a 1-row input is padded to 2 rows (the
   1-row kernels are gemv-like and sum in another order); where no kernel is, and always in bf16 and fp16 (whose
   rounded outputs hide summation-order differences from such a check: `always_chunked`), every product runs in
-  fixed chunks of `CHUNK_ROWS` rows (the last one padded with zeros), checked the same way;
+  fixed chunks of `CHUNK_ROWS` rows (the last one padded with zeros), checked the same way; a bf16 linear may instead
+  run the compiled row-invariant kernel (`hf_dflash.decoding.compiled_kernels`, CPUs with AVX512-BF16: each output
+  element summed in one order whatever the row count, so no padding), measured and checked like the others and
+  taken where it is the cheapest;
 - attention goes through `"row_invariant"` (`hf_dflash.decoding.cpu_attention`, registered with transformers'
   `AttentionInterface`), whose reduction order depends on neither the number of query rows nor the key count.
 """
@@ -42,6 +45,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging
 
+from .compiled_kernels import compiled_linear
 from .cpu_attention import EXACT_ATTENTION, FAST_ATTENTION, register_cpu_attention
 
 logger = logging.get_logger(__name__)
@@ -75,6 +79,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with the packed weight; `x` `[..., in]` -> `[..., out]`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def row_invariant_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """The compiled row-invariant bf16 product (`compiled_linear`) on `x` `[..., in]` with a weight packed by its
+    `pack` -> `[..., out_features]`."""
+    _, linear = compiled_linear()
+    rows = x.reshape(-1, x.shape[-1])
+    return linear(rows, packed, bias, out_features).view(*x.shape[:-1], out_features)
 
 
 def stock_linear_over_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -124,11 +138,13 @@ def zero_rows(num_rows: int, width: int, dtype: torch.dtype, device: torch.devic
 class LinearKernel:
     """What a prepared linear of one weight shape does: which row counts go to the packed kernel (`packed_rows[i]`
     for `MEASURED_ROWS[i]`), and in exact mode whether 1-row inputs are padded to 2 rows or every product runs in
-    chunks of `chunk_rows` rows (0: not)."""
+    chunks of `chunk_rows` rows (0: not), or every product goes to the compiled row-invariant kernel
+    (`row_invariant`, bf16: no padding)."""
 
     packed_rows: tuple[bool, ...]
     pad_single_row: bool = False
     chunk_rows: int = 0
+    row_invariant: bool = False
 
     def uses_packed(self, rows: int) -> bool:
         for measured, packed in zip(MEASURED_ROWS, self.packed_rows):
@@ -181,12 +197,14 @@ class KernelChoices:
     def _exact_choice(self, weight, packed, stock_us, packed_us) -> LinearKernel:
         """One kernel for all row counts: the faster (over the multi-row counts) of those checked row-invariant with
         a 1-row input padded to 2 rows; else, in fixed chunks of `CHUNK_ROWS` rows, the faster of those checked so.
-        16-bit weights go to chunks directly (`always_chunked`)."""
+        16-bit weights go to chunks directly (`always_chunked`). A bf16 weight's compiled row-invariant kernel
+        (`_compiled_candidate`) competes with either."""
         kernels = [(False, stock_us, lambda x: F.linear(x, weight))]
         if packed is not None:
             kernels.insert(0, (True, packed_us, lambda x: packed_linear(x, packed, None)))
+        compiled = self._compiled_candidate(weight)  # where there is one, it competes with the padded products
         for chunk_rows in (0, CHUNK_ROWS) if not always_chunked(weight.dtype) else (CHUNK_ROWS,):
-            candidates = []
+            candidates = list(compiled)
             for uses_packed, times, product in kernels:
                 kernel = LinearKernel((uses_packed,) * len(MEASURED_ROWS), not chunk_rows, chunk_rows)
                 if _row_invariant(functools.partial(prepared_product, kernel, product), weight):
@@ -199,6 +217,27 @@ class KernelChoices:
             "a block forward cannot match one-token forwards bitwise. Use exact=False (greedy outputs then match "
             "plain decoding except where logits tie within rounding), or another dtype."
         )
+
+    def _compiled_candidate(self, weight: torch.Tensor) -> list[tuple[float, LinearKernel]]:
+        """`[(cost, kernel)]` of the compiled row-invariant bf16 kernel for `weight`, measured as the others (on cold
+        copies, its own packed layout) and checked like them; empty where it does not apply or is not built."""
+        if weight.dtype != torch.bfloat16 or weight.shape[1] % 2 or compiled_linear() is None:
+            return []
+        pack, _ = compiled_linear()
+        packs = [pack(w) for w in _cold_copies(weight)]
+        x = torch.randn(MEASURED_ROWS[-1], weight.shape[1], generator=torch.Generator().manual_seed(0)).to(
+            weight.dtype
+        )
+        times = [
+            median_us(
+                lambda p, rows=rows: row_invariant_linear(x[:rows], p, None, weight.shape[0]), packs, self.repeats
+            )
+            for rows in MEASURED_ROWS
+        ]
+        kernel = LinearKernel((False,) * len(MEASURED_ROWS), row_invariant=True)
+        product = functools.partial(row_invariant_linear, packed=packs[0], bias=None, out_features=weight.shape[0])
+        checked = _row_invariant(functools.partial(prepared_product, kernel, product), weight)
+        return [(_exact_cost(times, 0), kernel)] if checked else []
 
 
 def always_chunked(dtype: torch.dtype) -> bool:
@@ -288,15 +327,29 @@ def _row_invariant(product, weight: torch.Tensor) -> bool:
 
 @dataclass
 class PackedWeight:
-    """A weight's packed copy and the `weight._version` it was packed from (shared by linears that share a weight)."""
+    """A weight's packed copies (oneDNN's blocked layout, `packed`; the compiled row-invariant kernel's,
+    `row_invariant`) and the `weight._version` they were packed from (shared by linears that share a weight)."""
 
     packed: torch.Tensor | None
     version: int
+    row_invariant: torch.Tensor | None = None
 
     def current(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if weight._version != self.version and self.packed is not None:  # changed in place: pack again
-            self.packed, self.version = pack_weight(weight), weight._version
+        self._repack_if_changed(weight)
         return self.packed
+
+    def current_row_invariant(self, weight: torch.Tensor) -> torch.Tensor | None:
+        self._repack_if_changed(weight)
+        return self.row_invariant
+
+    def _repack_if_changed(self, weight: torch.Tensor) -> None:
+        if weight._version == self.version:
+            return
+        if self.packed is not None:  # changed in place: pack again
+            self.packed = pack_weight(weight)
+        if self.row_invariant is not None:
+            self.row_invariant = compiled_linear()[0](weight.detach())
+        self.version = weight._version
 
     def pack_if_missing(self, weight: torch.Tensor) -> bool:
         """Pack `weight` where no copy is held (exact mode can leave one unpacked); whether it did."""
@@ -322,6 +375,9 @@ class PreparedLinear(nn.Linear):
         return prepared_product(self.kernel, self._product, x)  # exact mode's padding, if any
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel.row_invariant:
+            packed = self.packed_weight.current_row_invariant(self.weight)
+            return row_invariant_linear(x, packed, self.bias, self.out_features)
         if self.kernel.uses_packed(x.numel() // x.shape[-1]):
             return packed_linear(x, self.packed_weight.current(self.weight), self.bias)
         return stock_linear_over_rows(x, self.weight, self.bias)
@@ -397,10 +453,12 @@ class CPUPreparation:
 
     def summary(self) -> str:
         packed = sum(linear.kernel.uses_any_packed for linear in self.linears)
+        compiled = sum(linear.kernel.row_invariant for linear in self.linears)
         mode = "exact" if self.exact else "fast"
         return (
-            f"{len(self.linears)} linears prepared ({mode}), {packed} of them packed for some row counts "
-            f"(+{self.packed_bytes / 2**20:.0f} MiB)"
+            f"{len(self.linears)} linears prepared ({mode}), {packed} of them packed for some row counts"
+            + (f", {compiled} on the compiled row-invariant kernel" if compiled else "")
+            + f" (+{self.packed_bytes / 2**20:.0f} MiB)"
             + (f", attention '{self.attention}'" if self.attention is not None else "")
         )
 
@@ -458,8 +516,10 @@ def _prepare_linear(linear: nn.Linear, preparation: CPUPreparation, packed_by_we
     key = id(linear.weight)
     if key not in packed_by_weight:  # tied weights (one shape, so one kernel) share one packed copy
         packed = pack_weight(linear.weight) if kernel.uses_any_packed else None
-        packed_by_weight[key] = PackedWeight(packed, linear.weight._version)
-        preparation.packed_bytes += linear.weight.numel() * linear.weight.element_size() if packed is not None else 0
+        row_invariant = compiled_linear()[0](linear.weight.detach()) if kernel.row_invariant else None
+        packed_by_weight[key] = PackedWeight(packed, linear.weight._version, row_invariant)
+        copies = sum(copy is not None for copy in (packed, row_invariant))
+        preparation.packed_bytes += copies * linear.weight.numel() * linear.weight.element_size()
     linear.__class__ = PreparedLinear
     linear.kernel, linear.packed_weight = kernel, packed_by_weight[key]
     preparation.linears.append(linear)

@@ -1,4 +1,4 @@
-// Row-invariant attention for hf-dflash's exact CPU mode (`hf_dflash.decoding.attention_kernel` builds and loads it).
+// Row-invariant attention for hf-dflash's exact CPU mode (`hf_dflash.decoding.compiled_kernels` builds and loads it).
 //
 // Every output row is computed by the same code from its own query and its allowed keys, in cache order, whatever
 // else shares the call: no blocking by the number of query rows or keys, no threads splitting a row, and no FP
