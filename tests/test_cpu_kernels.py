@@ -302,10 +302,45 @@ def test_the_compiled_linear_is_the_product_and_row_invariant(out_features, in_f
 @needs_avx512_bf16
 def test_the_compiled_linear_competes_for_even_bf16_weights_only():
     choices = KernelChoices(repeats=1)
-    [(cost, kernel)] = choices._compiled_candidate(torch.randn(48, 32).bfloat16())
-    assert kernel.row_invariant and cost > 0 and not kernel.chunk_rows and not kernel.pad_single_row
-    assert choices._compiled_candidate(torch.randn(48, 32)) == []  # fp32: oneDNN's and MKL's kernels pass the check
-    assert choices._compiled_candidate(torch.randn(48, 33).bfloat16()) == []  # the kernel sums input pairs
+    times, kernel = choices._compiled(torch.randn(48, 32).bfloat16())
+    assert kernel.row_invariant and len(times) == len(MEASURED_ROWS) and min(times) > 0
+    assert not kernel.chunk_rows and not kernel.pad_single_row
+    assert choices._compiled(torch.randn(48, 32)) is None  # fp32: oneDNN's and MKL's kernels pass the check
+    assert choices._compiled(torch.randn(48, 33).bfloat16()) is None  # the kernel sums input pairs
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("compiled_us", [1e-3, 1e9])
+def test_fast_mode_takes_the_compiled_linear_only_where_it_is_fastest_at_every_row_count(monkeypatch, compiled_us):
+    """Fast mode runs the compiled kernel where it beats the stock and the packed kernel at every measured row count
+    (timings replaced here), and an exact preparation switched to fast mode packs the copy it needs."""
+    measured = KernelChoices._compiled
+
+    def timed_as_given(self, weight):
+        found = measured(self, weight)
+        return None if found is None else ([compiled_us] * len(MEASURED_ROWS), found[1])
+
+    monkeypatch.setattr(KernelChoices, "_compiled", timed_as_given)
+    chunked = LinearKernel((True,) * len(MEASURED_ROWS), chunk_rows=cpu_kernels.CHUNK_ROWS)
+
+    class ExactChunked(KernelChoices):  # exact mode on the padded chunks, fast mode measured
+        def choose(self, weight, exact):
+            return chunked if exact else super().choose(weight, exact)
+
+    target = make_target("llama", dtype=torch.bfloat16)
+    preparation = optimize_for_cpu(target, exact=True, choices=ExactChunked(repeats=1))
+    assert not any(linear.packed_weight.row_invariant is not None for linear in preparation.linears)
+    ids = random_prompt(9, seed=5)[None]
+    with torch.no_grad():
+        exact_logits = target(ids).logits
+        with preparation.fast():
+            fast_kernels = {linear.kernel.row_invariant for linear in preparation.linears}
+            fast_logits = target(ids).logits
+        assert torch.equal(target(ids).logits, exact_logits)  # exact mode's kernels again after the block
+    assert fast_kernels == {compiled_us < 1}
+    has_copies = {linear.packed_weight.row_invariant is not None for linear in preparation.linears}
+    assert has_copies == {compiled_us < 1}
+    torch.testing.assert_close(fast_logits.float(), exact_logits.float(), atol=0.1, rtol=0.1)
 
 
 @needs_avx512_bf16

@@ -9,7 +9,8 @@ about what the 1-row product costs up to about 8 rows (16 on AVX-512), when the 
 
 `optimize_for_cpu(model)` swaps the class of every CPU `nn.Linear` (PEFT's LoRA base layers included) for
 `PreparedLinear`, which routes each call to the stock or the packed kernel by its row count, as measured once per
-weight shape on the running CPU (`KernelChoices`). Parameters are not touched: `state_dict()` and
+weight shape on the running CPU (`KernelChoices`), or in bf16 every call to exact mode's compiled kernel (below) where
+that is at least as fast at every measured row count. Parameters are not touched: `state_dict()` and
 `save_pretrained()` write the original weights, linears that share a weight (a tied head used by target and drafter)
 share one packed copy, a weight changed in place (training, a merged adapter) is packed again, and
 `CPUPreparation.undo()` restores the stock modules. A model on transformers' default `sdpa` attention also switches to
@@ -190,21 +191,29 @@ class KernelChoices:
                 for rows in MEASURED_ROWS
             ]
         if not exact:
-            per_rows = tuple(packed_us is not None and p < s for p, s in zip(packed_us or stock_us, stock_us))
-            return LinearKernel(per_rows)
+            return self._fast_choice(weight, stock_us, packed_us)
         return self._exact_choice(weight, packed, stock_us, packed_us)
+
+    def _fast_choice(self, weight, stock_us, packed_us) -> LinearKernel:
+        """Per row count the faster of the stock and the packed kernel; the compiled row-invariant kernel instead
+        where it is at least as fast as both at every measured row count."""
+        best_us = [min(p, s) for p, s in zip(packed_us, stock_us)] if packed_us is not None else stock_us
+        compiled = self._compiled(weight)
+        if compiled is not None and all(c <= b for c, b in zip(compiled[0], best_us)):
+            return compiled[1]
+        return LinearKernel(tuple(packed_us is not None and p < s for p, s in zip(packed_us or stock_us, stock_us)))
 
     def _exact_choice(self, weight, packed, stock_us, packed_us) -> LinearKernel:
         """One kernel for all row counts: the faster (over the multi-row counts) of those checked row-invariant with
         a 1-row input padded to 2 rows; else, in fixed chunks of `CHUNK_ROWS` rows, the faster of those checked so.
         16-bit weights go to chunks directly (`always_chunked`). A bf16 weight's compiled row-invariant kernel
-        (`_compiled_candidate`) competes with either."""
+        (`_compiled`) competes with either."""
         kernels = [(False, stock_us, lambda x: F.linear(x, weight))]
         if packed is not None:
             kernels.insert(0, (True, packed_us, lambda x: packed_linear(x, packed, None)))
-        compiled = self._compiled_candidate(weight)  # where there is one, it competes with the padded products
+        compiled = self._compiled(weight)  # where there is one, it competes with the padded products
         for chunk_rows in (0, CHUNK_ROWS) if not always_chunked(weight.dtype) else (CHUNK_ROWS,):
-            candidates = list(compiled)
+            candidates = [(_exact_cost(compiled[0], 0), compiled[1])] if compiled is not None else []
             for uses_packed, times, product in kernels:
                 kernel = LinearKernel((uses_packed,) * len(MEASURED_ROWS), not chunk_rows, chunk_rows)
                 if _row_invariant(functools.partial(prepared_product, kernel, product), weight):
@@ -218,11 +227,12 @@ class KernelChoices:
             "plain decoding except where logits tie within rounding), or another dtype."
         )
 
-    def _compiled_candidate(self, weight: torch.Tensor) -> list[tuple[float, LinearKernel]]:
-        """`[(cost, kernel)]` of the compiled row-invariant bf16 kernel for `weight`, measured as the others (on cold
-        copies, its own packed layout) and checked like them; empty where it does not apply or is not built."""
+    def _compiled(self, weight: torch.Tensor) -> tuple[list[float], LinearKernel] | None:
+        """The compiled row-invariant bf16 kernel for `weight`: its microseconds at `MEASURED_ROWS`, measured as the
+        others (on cold copies, its own packed layout), and its `LinearKernel`, where it passes the same check; None
+        where it does not apply, is not built or fails the check."""
         if weight.dtype != torch.bfloat16 or weight.shape[1] % 2 or compiled_linear() is None:
-            return []
+            return None
         pack, _ = compiled_linear()
         packs = [pack(w) for w in _cold_copies(weight)]
         x = torch.randn(MEASURED_ROWS[-1], weight.shape[1], generator=torch.Generator().manual_seed(0)).to(
@@ -237,7 +247,7 @@ class KernelChoices:
         kernel = LinearKernel((False,) * len(MEASURED_ROWS), row_invariant=True)
         product = functools.partial(row_invariant_linear, packed=packs[0], bias=None, out_features=weight.shape[0])
         checked = _row_invariant(functools.partial(prepared_product, kernel, product), weight)
-        return [(_exact_cost(times, 0), kernel)] if checked else []
+        return (times, kernel) if checked else None
 
 
 def always_chunked(dtype: torch.dtype) -> bool:
@@ -351,12 +361,17 @@ class PackedWeight:
             self.row_invariant = compiled_linear()[0](weight.detach())
         self.version = weight._version
 
-    def pack_if_missing(self, weight: torch.Tensor) -> bool:
-        """Pack `weight` where no copy is held (exact mode can leave one unpacked); whether it did."""
-        if self.packed is not None:
-            return False
-        self.packed, self.version = pack_weight(weight), weight._version
-        return True
+    def pack_for(self, kernel: LinearKernel, weight: torch.Tensor) -> int:
+        """Pack the copies `kernel` needs that are not held (another mode's kernel may have left them out); the
+        bytes added."""
+        self._repack_if_changed(weight)
+        added = 0
+        if kernel.uses_any_packed and self.packed is None:
+            self.packed, added = pack_weight(weight), added + weight.numel() * weight.element_size()
+        if kernel.row_invariant and self.row_invariant is None:
+            self.row_invariant = compiled_linear()[0](weight.detach())
+            added += weight.numel() * weight.element_size()
+        return added
 
 
 class PreparedLinear(nn.Linear):
@@ -430,8 +445,7 @@ class CPUPreparation:
         exact_kernels = [linear.kernel for linear in self.linears]
         for linear in self.linears:
             linear.kernel = self.choices.choose(linear.weight, exact=False)
-            if linear.kernel.uses_any_packed and linear.packed_weight.pack_if_missing(linear.weight):
-                self.packed_bytes += linear.weight.numel() * linear.weight.element_size()
+            self.packed_bytes += linear.packed_weight.pack_for(linear.kernel, linear.weight)
         if self.attention is not None:
             self.model.set_attn_implementation(
                 _fast_mode_attention(self.previous_attention) or self.previous_attention
