@@ -110,8 +110,8 @@ def pad_to_two_rows(x: torch.Tensor) -> torch.Tensor:
 def in_fixed_chunks(product, x: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     """`product` over `x` `[..., in]` in calls of exactly `chunk_rows` rows each (the last padded with zeros), so
     every call has one shape whatever the row count; -> `[..., out]`. The padding is one `torch.cat` with a shared
-    block of zeros: `F.pad` takes several ops, which cost a 1-row step about 17 us a linear (3.5 ms a SmolLM2 token
-    on 1 thread of a 2-core EPYC, more at 2 threads, where each op wakes the other thread)."""
+    block of zeros: `F.pad` and a split took several ops, which cost a 1-row bf16 product 9-14 us more (about 2.5 ms
+    a SmolLM2 token on 1 thread of a 2-core EPYC; more at 2 threads, where each op wakes the other thread)."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
     if count == 0:
