@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 from helpers import greedy_reference, left_pad, make_draft, make_oracle, make_target
+from test_draft_tree import tree_oracle
 from test_generation import random_prompt
 from test_sampling import PROMPT, SETTINGS, chi_square_pvalue, exact_joint, peaky_target, random_draft
 from transformers import GenerationConfig
@@ -167,15 +168,53 @@ def test_plans_learn_what_rounds_spend_beside_their_measured_forwards(monkeypatc
     learned = run(verify_costs="auto", planner=measured)
     told = run(verify_costs="auto", planner=fixed)
     assert learned.sequences[0].tolist() == told.sequences[0].tolist() == reference.tolist()
-    [overhead] = measured._overheads.values()
+    overheads = {path.rsplit(", ", 1)[1]: overhead for (path, _), overhead in measured._overheads.items()}
+    assert set(overheads) == {"chain rounds", "tree rounds"}
+    overhead = overheads["chain rounds"]  # chains only (`tree=False`): the tree rounds' overhead never learned
     assert overhead.fixed_and_per_node == pytest.approx((0.0, 0.05), abs=1e-6)
+    assert overheads["tree rounds"].fixed_and_per_node == (0.0, 0.0)
     assert learned.stats.verified_drafts_per_round < told.stats.verified_drafts_per_round
     # the costs the planner measured, passed back as an object (as the benchmark does): the same path learns on
     rounds_before = list(overhead._rounds)
     run(verify_costs=measured.costs_for(target, draft, batch_size=1), planner=measured)
-    assert list(measured._overheads.values()) == [overhead] and overhead._rounds != rounds_before
+    assert (
+        overheads["chain rounds"] is overhead and overhead._rounds != rounds_before and len(measured._overheads) == 2
+    )
     run(verify_costs=costs, planner=given)  # costs a caller fixed are the whole model, as are a planner's own
     assert not fixed._overheads and not given._overheads
+
+
+@pytest.mark.parametrize("tree_bill", [0.0, 0.5])
+def test_a_tree_is_weighed_against_the_argmax_chain_by_what_its_rounds_spend(monkeypatch, modelled_device, tree_bill):
+    """Measured costs and a modelled clock that bills every round verifying a real tree `tree_bill` seconds beside
+    its forwards (a tree mask and a cache gather that cost): billed, the planner learns it and verifies chains
+    instead; not billed, trees where a sibling is worth its node (6 of 36 rounds with this drafter). The tokens are
+    the target's either way."""
+    target = make_target("llama")
+    prompt = random_prompt(12, seed=6)
+    reference = greedy_reference(target, prompt, 80)
+    draft = tree_oracle(target, [reference], 0.3, 0.2)
+    costs = quadratic_costs(17, 0.002)
+    modelled_device.attach(target, draft, costs)
+    monkeypatch.setattr(policy, "measure_verify_costs", lambda *args, **kwargs: costs)
+    original_verify = speculative.verify
+
+    def billed_verify(setup, state, tree):
+        modelled_device.now += 0.0 if tree.is_chain else tree_bill
+        return original_verify(setup, state, tree)
+
+    monkeypatch.setattr(speculative, "verify", billed_verify)
+    planner = VerifyPlanner()
+    run = functools.partial(
+        speculative_generate, target, draft, prompt[None], max_new_tokens=80, verify_costs="auto", planner=planner
+    )
+    calls = [run() for _ in range(3)]
+    assert all(call.sequences[0].tolist() == reference.tolist() for call in calls)
+    if tree_bill:  # tree rounds until the planner has timed enough of them to learn their cost, then none
+        assert sum(call.stats.tree_rounds for call in calls) <= RoundOverhead().min_rounds
+        assert calls[-1].stats.tree_rounds == 0
+    else:
+        assert calls[-1].stats.tree_rounds >= 4  # where a sibling is worth its node
 
 
 def test_fallback_pauses_drafting_that_does_not_pay_and_backs_off():

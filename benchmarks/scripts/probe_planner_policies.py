@@ -41,9 +41,9 @@ def run(name, fallback=True, scale=1.0, tree=None):
     rec_orig = policy.Fallback.record
     if not fallback:
         policy.Fallback.record = lambda *a, **k: None
-    bn = VerifyCosts.best_num_nodes
+    bn = VerifyCosts.best_plan
     if scale != 1.0:
-        VerifyCosts.best_num_nodes = lambda self, pp, overhead=None: bn(self, pp * scale, overhead)
+        VerifyCosts.best_plan = lambda self, pp, overhead=None: bn(self, pp * scale, overhead)
     toks = 0
     taus = []
     planner = VerifyPlanner(costs=costs)  # the fallback's judgement carries from prompt to prompt
@@ -54,7 +54,7 @@ def run(name, fallback=True, scale=1.0, tree=None):
         toks += o.num_new_tokens[0]
         taus += o.stats.acceptance_lengths
     policy.Fallback.record = rec_orig
-    VerifyCosts.best_num_nodes = bn
+    VerifyCosts.best_plan = bn
     cost = sum(costs.verify[0] if k < 0 else costs.draft + costs.verify[k] for k in log)  # prefill excluded
     plain_cost = (toks - len(prompts)) * costs.verify[0]
     print(

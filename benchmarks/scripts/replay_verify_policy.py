@@ -44,11 +44,12 @@ class RecordingCosts(VerifyCosts):
 
     recorded: list[list[float]] = field(default_factory=list)
 
-    def best_num_nodes(self, path_probs: torch.Tensor, overhead: RoundOverhead | None = None) -> int:
-        """A chain's path probabilities are the running products of the proposals' confidences: record those."""
+    def best_plan(self, path_probs: torch.Tensor, overhead: RoundOverhead | None = None) -> tuple[int, float]:
+        """A chain's path probabilities are the running products of the proposals' confidences: record those, and
+        plan every node (the rate is not asked for: chains only)."""
         previous = torch.cat([path_probs.new_ones(path_probs.shape[0], 1), path_probs[:, :-1]], dim=1)
         self.recorded.append((path_probs / previous)[0].tolist())
-        return path_probs.shape[1]
+        return path_probs.shape[1], 0.0
 
 
 class NeverFallingBack(VerifyPlanner):

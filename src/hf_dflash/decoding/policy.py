@@ -69,6 +69,10 @@ class VerifyCosts:
         Rows of a batch share one verify forward, so their expected tokens add up. `overhead`: what a round of this
         kind spends beside its forwards, added to each candidate's seconds.
         """
+        return self.best_plan(path_probs, overhead)[0]
+
+    def best_plan(self, path_probs: torch.Tensor, overhead: RoundOverhead | None = None) -> tuple[int, float]:
+        """`best_num_nodes` and the expected committed tokens per second it brings (to weigh plans of two kinds)."""
         num_nodes = min(path_probs.shape[1], self.max_nodes)
         # [N]: expected rows that accept each node; on the host, like the costs (the plan is a host-side number)
         reach = path_probs[:, :num_nodes].float().sum(0).cpu()
@@ -76,7 +80,9 @@ class VerifyCosts:
         seconds = self.draft + torch.tensor(self.verify[: num_nodes + 1], dtype=expected.dtype)
         if overhead is not None:
             seconds = seconds + overhead.seconds(num_nodes)
-        return int((expected / seconds).argmax())
+        rates = expected / seconds
+        best = int(rates.argmax())
+        return best, float(rates[best])
 
     def best_num_draft(self, confidences: torch.Tensor) -> int:
         """How many of a chain's `k` proposals to verify, given the draft's probability of each: `[b, k]` -> `0..k`."""

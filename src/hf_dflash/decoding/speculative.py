@@ -6,7 +6,8 @@ One round, for every row at once (B = block size, S <= B - 1 drafted slots):
            committed since the last draft (`draft_block`);
 2. plan:   the proposals to verify (`propose`): every slot's argmax (a chain, DFlash as published), or a DFlash2
            drafter's selector chain; with measured `verify_costs`, the best-first nodes of a draft tree (`tree`,
-           v1 only) or chain worth their cost, possibly none (`policy`); under sampling, a chain of samples of `q`
+           v1 only) or chain worth their cost, possibly none (`policy`; a tree is weighed against the argmax chain,
+           each with what its kind of round was measured to spend); under sampling, a chain of samples of `q`
            (or the draft's argmax, one-hot `q`), for DFlash2 `q` being the selector walk's distribution;
 3. verify: one target forward over `[bonus, nodes]` (`verify`): a causal mask for a chain, a tree mask and
            per-node positions (depth from the bonus) for a tree;
@@ -454,10 +455,14 @@ class _Setup:
         return proposal_warpers(self.warpers)
 
     @functools.cached_property
-    def round_overhead(self) -> RoundOverhead | None:
-        """What this path's rounds spend beside their modelled forwards, learned as they run (measured costs only:
-        fixed costs are the caller's whole model)."""
-        return self.planner.round_overhead(self.verify_costs, self.path) if self.learns_overhead else None
+    def round_overheads(self) -> dict[str, RoundOverhead] | None:
+        """What this path's chain rounds and tree rounds each spend beside their modelled forwards (a tree's mask and
+        cache gather cost more than a chain's), learned as they run; measured costs only: fixed costs are the
+        caller's whole model."""
+        if not self.learns_overhead:
+            return None
+        kinds = ("chain", "tree")
+        return {kind: self.planner.round_overhead(self.verify_costs, f"{self.path}, {kind} rounds") for kind in kinds}
 
     @property
     def path(self) -> str:
@@ -532,9 +537,9 @@ def _decode(setup: _Setup, input_ids: torch.LongTensor, attention_mask: torch.Te
         if setup.verify_costs is not None:
             modelled_nodes = min(proposal.tree.num_nodes, setup.verify_costs.max_nodes)
             stats.bare_forward_s += setup.verify_costs.verify[modelled_nodes]
-            if proposal.drafted and setup.round_overhead is not None:
+            if proposal.drafted and setup.round_overheads is not None:
                 excess = end - start - setup.verify_costs.seconds(modelled_nodes)
-                setup.round_overhead.record(proposal.tree.num_nodes, excess)
+                setup.round_overheads[_kind(proposal.tree)].record(proposal.tree.num_nodes, excess)
         active = int((~state.done).sum())
         accepted = [row[: n - 1] + [b] for row, n, b in zip(tokens.tolist(), lengths.tolist(), new_bonus.tolist())]
         committed = commit(setup, state, accepted, stats, streamer, count_round=proposal.drafted)
@@ -610,13 +615,15 @@ def propose(setup: _Setup, state: DecodeState) -> Proposal:
         return _sampled_chain(setup, state, hidden)
     logits = setup.draft.draft_logits(hidden, setup.target.get_output_embeddings())  # [b, S, V_d]
     probs = logits.float().softmax(-1)
-    if setup.max_tree_nodes:
-        top_probs, top_index = probs.topk(min(TREE_TOP_K, probs.shape[-1]), dim=-1)  # [b, S, K]
-        candidates = best_first_tree(setup.draft.to_target_ids(top_index), top_probs, setup.max_tree_nodes)
-    else:
+    if not setup.max_tree_nodes:
         top_probs, top_index = probs.max(-1)
-        candidates = chain(setup.draft.to_target_ids(top_index), top_probs)
-    return Proposal(_planned(setup, state, candidates))
+        return Proposal(_planned(setup, state, chain(setup.draft.to_target_ids(top_index), top_probs)))
+    top_probs, top_index = probs.topk(min(TREE_TOP_K, probs.shape[-1]), dim=-1)  # [b, S, K]
+    tree = best_first_tree(setup.draft.to_target_ids(top_index), top_probs, setup.max_tree_nodes)
+    if setup.verify_costs is None:
+        return Proposal(tree)
+    argmax_chain = chain(setup.draft.to_target_ids(top_index[..., 0]), top_probs[..., 0])
+    return Proposal(max(_plans(setup, state, tree), _plans(setup, state, argmax_chain), key=lambda plan: plan[1])[0])
 
 
 def _sampled_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> Proposal:
@@ -663,8 +670,23 @@ def _planned(setup: _Setup, state: DecodeState, candidates: DraftTree) -> DraftT
     """The first nodes of the best-first `candidates` worth their verify cost (all of them without costs)."""
     if setup.verify_costs is None:
         return candidates
+    return _plans(setup, state, candidates)[0]
+
+
+def _plans(setup: _Setup, state: DecodeState, candidates: DraftTree) -> tuple[DraftTree, float]:
+    """The first nodes of the best-first `candidates` worth their verify cost and the expected tokens per second
+    they bring, with the learned overhead of rounds of their kind. A tree's best-first nodes expect at least the
+    tokens of the argmax chain of as many nodes at the same modelled forward, so the two differ in a plan only by
+    what their rounds spend beside it."""
     path_probs = candidates.path_probs.cpu()[~state.done]  # one host copy; `done` lives on the host
-    return candidates.first(setup.verify_costs.best_num_nodes(path_probs, setup.round_overhead))
+    overhead = setup.round_overheads[_kind(candidates)] if setup.round_overheads is not None else None
+    num_nodes, rate = setup.verify_costs.best_plan(path_probs, overhead)
+    return candidates.first(num_nodes), rate
+
+
+def _kind(tree: DraftTree) -> str:
+    """Which learned overhead a round verifying `tree` has: a chain's (a causal mask, a crop) or a tree's."""
+    return "chain" if tree.is_chain else "tree"
 
 
 def _plain_step(state: DecodeState) -> Proposal:
