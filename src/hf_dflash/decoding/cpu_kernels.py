@@ -82,6 +82,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def pack_row_invariant(weight: torch.Tensor) -> torch.Tensor:
+    """The weight `[out, in]` bf16 in the compiled row-invariant kernel's layout (`compiled_linear` must be built)."""
+    return compiled_linear()[0](weight.detach())
+
+
 def row_invariant_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
@@ -233,8 +238,7 @@ class KernelChoices:
         where it does not apply, is not built or fails the check."""
         if weight.dtype != torch.bfloat16 or weight.shape[1] % 2 or compiled_linear() is None:
             return None
-        pack, _ = compiled_linear()
-        packs = [pack(w) for w in _cold_copies(weight)]
+        packs = [pack_row_invariant(w) for w in _cold_copies(weight)]
         x = torch.randn(MEASURED_ROWS[-1], weight.shape[1], generator=torch.Generator().manual_seed(0)).to(
             weight.dtype
         )
@@ -358,7 +362,7 @@ class PackedWeight:
         if self.packed is not None:  # changed in place: pack again
             self.packed = pack_weight(weight)
         if self.row_invariant is not None:
-            self.row_invariant = compiled_linear()[0](weight.detach())
+            self.row_invariant = pack_row_invariant(weight)
         self.version = weight._version
 
     def pack_for(self, kernel: LinearKernel, weight: torch.Tensor) -> int:
@@ -369,7 +373,7 @@ class PackedWeight:
         if kernel.uses_any_packed and self.packed is None:
             self.packed, added = pack_weight(weight), added + weight.numel() * weight.element_size()
         if kernel.row_invariant and self.row_invariant is None:
-            self.row_invariant = compiled_linear()[0](weight.detach())
+            self.row_invariant = pack_row_invariant(weight)
             added += weight.numel() * weight.element_size()
         return added
 
@@ -530,7 +534,7 @@ def _prepare_linear(linear: nn.Linear, preparation: CPUPreparation, packed_by_we
     key = id(linear.weight)
     if key not in packed_by_weight:  # tied weights (one shape, so one kernel) share one packed copy
         packed = pack_weight(linear.weight) if kernel.uses_any_packed else None
-        row_invariant = compiled_linear()[0](linear.weight.detach()) if kernel.row_invariant else None
+        row_invariant = pack_row_invariant(linear.weight) if kernel.row_invariant else None
         packed_by_weight[key] = PackedWeight(packed, linear.weight._version, row_invariant)
         copies = sum(copy is not None for copy in (packed, row_invariant))
         preparation.packed_bytes += copies * linear.weight.numel() * linear.weight.element_size()
