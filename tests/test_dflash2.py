@@ -32,8 +32,8 @@ from test_training import _args, _regenerated
 
 from hf_dflash import DFlashConfig, DFlashForDrafting, speculative_generate
 from hf_dflash.model.selector_dflash import DFlashSublayerConv
-from hf_dflash.training import DFlashTrainer
-from hf_dflash.training.draft_init import dflash2_from_dflash
+from hf_dflash.training import DFlashTrainer, DFlashTrainingArguments
+from hf_dflash.training.draft_init import dflash2_from_dflash, reduce_selector_rank
 from hf_dflash.training.loss import SelectorTerm, block_loss, selector_cross_entropy
 
 HIDDEN, RANK, TOP_K, BLOCK = 64, 8, 4, 4
@@ -611,6 +611,59 @@ def test_train_command_converts_a_v1_drafter(tmp_path):
     info = json.loads((tmp_path / "out" / "training_info.json").read_text())
     assert info["training"]["draft_init"].startswith("converted to DFlash2 from the DFlash drafter")
     assert trained.candidate_selector.successor_codebook.abs().sum() > 0  # two steps moved it from zero
+
+
+def test_narrowing_a_selector_keeps_its_strongest_components(published, target, tmp_path):
+    draft = DFlashForDrafting.from_pretrained(published).eval()
+    selector = draft.candidate_selector
+    with torch.no_grad():
+        selector.successor_codebook[:, [1, 4, 6]] = 0.0  # three components that add nothing
+        selector.predecessor_codebook[:, 3] *= 1e-3  # the weakest of the rest, and hidden_projection scaled up to
+        selector.hidden_projection.weight[3] *= 1e3  # make up for it: the product, not one factor, is the strength
+        hidden, anchors = torch.randn(2, BLOCK - 1, HIDDEN) * 3, torch.tensor([7, 30])
+        head = target.get_output_embeddings()
+        before = draft.selector_lattice(hidden, head, anchors).scores
+        kept = reduce_selector_rank(draft, 5)
+        after = draft.selector_lattice(hidden, head, anchors).scores
+    assert kept.tolist() == [0, 2, 3, 5, 7]
+    assert draft.config.selector_rank == 5 and selector.successor_codebook.shape == (VOCAB, 5)
+    assert selector.hidden_projection.weight.shape == (5, HIDDEN)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-4)  # only zero terms were dropped
+    draft.save_pretrained(tmp_path / "narrow")
+    reloaded = DFlashForDrafting.from_pretrained(tmp_path / "narrow")
+    assert reloaded.config.selector_rank == 5
+    assert torch.equal(reloaded.candidate_selector.predecessor_codebook, selector.predecessor_codebook)
+    with pytest.raises(ValueError, match="can only be narrowed"):
+        reduce_selector_rank(draft, 6)
+
+
+def test_train_command_narrows_a_dflash2_drafter_it_continues(tmp_path):
+    from hf_dflash.cli import main
+
+    save_target_and_records(tmp_path, num_records=6, new_tokens=30)
+    start = make_draft(make_target("llama"), block_size=4, num_hidden_layers=1, **SELECTOR)
+    start.save_pretrained(tmp_path / "v2")
+    argv = ["train", "--data", str(tmp_path / "data.jsonl"), "--target", str(tmp_path / "target")]
+    argv += ["--init_draft", str(tmp_path / "v2"), "--variant", "dflash2", "--max_steps", "1", "--block_size", "4"]
+    argv += ["--acceptance_holdout", "2", "--report_to", "none", "--use_cpu", "true", "--save_strategy", "no"]
+    argv += ["--disable_tqdm", "true"]
+    assert main([*argv, "--output_dir", str(tmp_path / "kept")]) == 0
+    kept = DFlashForDrafting.from_pretrained(tmp_path / "kept").config
+    assert (kept.selector_rank, kept.selector_top_k) == (RANK, TOP_K)  # not reset to the new-drafter defaults
+    narrowed_argv = [*argv, "--output_dir", str(tmp_path / "narrow"), "--selector_rank", "4", "--selector_top_k", "3"]
+    assert main(narrowed_argv) == 0
+    narrowed = DFlashForDrafting.from_pretrained(tmp_path / "narrow")
+    assert (narrowed.config.selector_rank, narrowed.config.selector_top_k) == (4, 3)
+    assert narrowed.candidate_selector.predecessor_codebook.shape[1] == 4
+    info = json.loads((tmp_path / "narrow" / "training_info.json").read_text())
+    assert "narrowed from rank 8 to 4" in info["training"]["draft_init"]
+    assert main([*argv, "--output_dir", str(tmp_path / "regroup"), "--conv_group_size", "32"]) == 2  # before a load
+    assert not (tmp_path / "regroup").exists()
+
+
+def test_dflash2_flags_without_the_dflash2_variant_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="variant='dflash2'"):
+        DFlashTrainingArguments(output_dir=str(tmp_path), use_cpu=True, selector_rank=64)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

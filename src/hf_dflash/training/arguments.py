@@ -14,6 +14,9 @@ from .target_features import FEATURE_DTYPES, STORAGES
 
 ATTENTION_BACKENDS = ("sdpa", "eager", "flex_attention")
 DRAFT_INITS = ("random", "target")
+# The flags that shape DFlash2's new parts; left unset, a new drafter takes DFlashConfig's defaults and an --init_draft
+# DFlash2 drafter keeps its own.
+DFLASH2_ARGUMENTS = ("selector_rank", "selector_top_k", "conv_group_size")
 
 
 @dataclass
@@ -114,10 +117,22 @@ class DFlashTrainingArguments(TrainingArguments):
             "with --init_draft of a DFlash drafter, 'dflash2' converts it (its proposals unchanged at step 0)."
         },
     )
-    selector_rank: int = field(default=256, metadata={"help": "DFlash2: width R of the selector's codebooks."})
-    selector_top_k: int = field(default=16, metadata={"help": "DFlash2: candidates K the selector keeps per slot."})
-    conv_group_size: int = field(
-        default=16, metadata={"help": "DFlash2: channels sharing one dynamic convolution coefficient."}
+    selector_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "DFlash2: width R of the selector's codebooks (default 256; an --init_draft DFlash2 drafter keeps "
+            "its own, and a smaller R narrows it to its strongest components)."
+        },
+    )
+    selector_top_k: int | None = field(
+        default=None,
+        metadata={"help": "DFlash2: candidates K the selector keeps per slot (default 16, or the --init_draft's)."},
+    )
+    conv_group_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "DFlash2: channels sharing one dynamic convolution coefficient (default 16, or the --init_draft's)."
+        },
     )
     selector_loss_weight: float = field(
         default=1.0,
@@ -166,6 +181,9 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"draft_init must be one of {DRAFT_INITS}, got {self.draft_init!r}.")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}.")
+        given = [name for name in DFLASH2_ARGUMENTS if getattr(self, name) is not None]
+        if given and self.variant != "dflash2":
+            raise ValueError(f"{given} set DFlash2's selector and convolutions: pass variant='dflash2' with them.")
 
     def _check_loss_fields(self) -> None:
         if self.loss_decay_gamma is None:
@@ -203,4 +221,4 @@ class DFlashTrainingArguments(TrainingArguments):
             )
 
 
-__all__ = ["ATTENTION_BACKENDS", "DRAFT_INITS", "DFlashTrainingArguments"]
+__all__ = ["ATTENTION_BACKENDS", "DFLASH2_ARGUMENTS", "DRAFT_INITS", "DFlashTrainingArguments"]

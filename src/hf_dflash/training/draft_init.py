@@ -11,7 +11,8 @@ projection's effective weight (base plus the active adapters' delta), so the dra
 
 A DFlash2 drafter can also start from a trained DFlash (v1) drafter (`dflash2_from_dflash`): every v1 weight is kept,
 the convolutions start as the identity and the successor codebook at zero, so it proposes exactly what the v1
-drafter does until training moves them.
+drafter does until training moves them. A trained DFlash2 drafter's selector can be narrowed (`reduce_selector_rank`:
+its strongest components kept) and its candidate count changed (`set_selector_top_k`) before it trains on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from hf_dflash.model.configuration_dflash import DFLASH2_FIELDS
+from hf_dflash.model.configuration_dflash import DFLASH2_FIELDS, DFlashConfig
 from hf_dflash.model.modeling_dflash import DFlashForDrafting
 
 logger = logging.get_logger(__name__)
@@ -83,6 +84,71 @@ def dflash2_from_dflash(draft: DFlashForDrafting, **fields: object) -> DFlashFor
         raise RuntimeError(f"dflash2_from_dflash: weights did not carry over ({result}).")
     converted.train(draft.training)
     return converted.to(draft.device)
+
+
+def check_selector_reshape(config: DFlashConfig, fields: dict[str, int]) -> None:
+    """Refuse DFlash2 `fields` that a trained DFlash2 drafter of `config` cannot take: a wider selector (its rank can
+    only shrink), more candidates than its draft vocabulary, other convolution groups. Raises `ValueError`."""
+    rank, top_k = (
+        fields.get("selector_rank", config.selector_rank),
+        fields.get("selector_top_k", config.selector_top_k),
+    )
+    if not 1 <= rank <= config.selector_rank:
+        raise ValueError(
+            f"selector_rank={rank}: a trained selector can only be narrowed (this drafter's rank is "
+            f"{config.selector_rank}). Pass a rank between 1 and {config.selector_rank}, or train a wider one from a "
+            "DFlash drafter with --variant dflash2."
+        )
+    vocabulary = config.draft_vocab_size or config.vocab_size
+    if not 1 <= top_k <= vocabulary:
+        raise ValueError(
+            f"selector_top_k={top_k} must be between 1 and the draft vocabulary ({vocabulary} tokens). Lower it (e.g. 16)."
+        )
+    if fields.get("conv_group_size", config.conv_group_size) != config.conv_group_size:
+        raise ValueError(
+            f"conv_group_size={fields['conv_group_size']}: this drafter's convolutions were trained with groups of "
+            f"{config.conv_group_size} channels. Leave conv_group_size out to continue it."
+        )
+
+
+@torch.no_grad()
+def reduce_selector_rank(draft: DFlashForDrafting, rank: int) -> torch.LongTensor:
+    """Narrow a DFlash2 drafter's selector, in place, to the `rank` components with the most weight, and return their
+    indices (ascending) among the old ones.
+
+    A pairwise score is `sum_r A[pred, r] * P[r] * B[c, r]` with `P = W h`: component r contributes at most
+    `|A[:, r]| * |W[r]| * |B[:, r]|` (norms of its predecessor column, projection row and successor column) per unit
+    hidden state, a product that rescaling the three factors cannot change. The components with the largest products
+    are kept as they are; the pairwise scores lose exactly the dropped ones' terms, the unary logits nothing.
+    """
+    selector, current = draft.candidate_selector, draft.config.selector_rank
+    check_selector_reshape(draft.config, {"selector_rank": rank})
+    strength = (
+        selector.predecessor_codebook.float().norm(dim=0)
+        * selector.hidden_projection.weight.float().norm(dim=1)
+        * selector.successor_codebook.float().norm(dim=0)
+    )  # [R]
+    kept = strength.topk(rank).indices.sort().values  # [rank]
+    projection = selector.hidden_projection
+    narrowed = nn.Linear(projection.in_features, rank, bias=False, device=projection.weight.device)
+    narrowed.weight = nn.Parameter(projection.weight[kept].clone(), requires_grad=projection.weight.requires_grad)
+    selector.hidden_projection = narrowed
+    for name in ("predecessor_codebook", "successor_codebook"):
+        codebook = getattr(selector, name)
+        setattr(selector, name, nn.Parameter(codebook[:, kept].clone(), requires_grad=codebook.requires_grad))
+    draft.config.selector_rank = rank
+    share = (strength[kept].sum() / strength.sum()).item() if strength.sum() > 0 else 1.0
+    logger.info(
+        f"Selector narrowed from rank {current} to {rank}: the kept components carry {share:.1%} of its weight."
+    )
+    return kept
+
+
+def set_selector_top_k(draft: DFlashForDrafting, top_k: int) -> None:
+    """Keep `top_k` candidates per slot in a DFlash2 drafter's selector (no weight depends on the count)."""
+    check_selector_reshape(draft.config, {"selector_top_k": top_k})
+    draft.config.selector_top_k = top_k
+    draft.candidate_selector.top_k = top_k
 
 
 def decoder_layers(target: PreTrainedModel) -> nn.ModuleList:

@@ -23,14 +23,16 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
+from hf_dflash.adapters import is_adapter_folder
 from hf_dflash.data.records import load_training_dataset
 from hf_dflash.loading import TargetArguments, load_draft, load_target_from_arguments, resolve_device, same_device
+from hf_dflash.model.configuration_dflash import DFlashConfig
 from hf_dflash.model.generation_dflash import token_ids
 from hf_dflash.model.modeling_dflash import DFlashForDrafting
 from hf_dflash.targets import KNOWN_TARGETS
 
-from .arguments import DFlashTrainingArguments
-from .draft_init import dflash2_from_dflash
+from .arguments import DFLASH2_ARGUMENTS, DFlashTrainingArguments
+from .draft_init import check_selector_reshape, dflash2_from_dflash, reduce_selector_rank, set_selector_top_k
 from .trainer import DFlashTrainer
 
 if TYPE_CHECKING:
@@ -185,6 +187,20 @@ def check_train_inputs(script: TrainScriptArguments, args: DFlashTrainingArgumen
             "--device cpu."
         )
     _checkpoint_to_resume(args.resume_from_checkpoint, args.output_dir)
+    if script.init_draft and not is_adapter_folder(script.init_draft):  # its config read, nothing loaded
+        _check_continued_dflash2(script.init_draft, DFlashConfig.from_pretrained(script.init_draft), args)
+
+
+def _check_continued_dflash2(init_draft: str, config: DFlashConfig, args: DFlashTrainingArguments) -> None:
+    """A DFlash2 drafter to continue (`init_draft`, of `config`) stays DFlash2 and takes the DFlash2 flags given."""
+    if config.variant != "dflash2":
+        return
+    if args.variant != "dflash2":
+        raise ValueError(
+            f"--init_draft {init_draft} is a DFlash2 drafter and --variant is {args.variant!r}: a DFlash2 drafter "
+            "cannot become v1 again. Pass --variant dflash2 to continue it."
+        )
+    check_selector_reshape(config, _dflash2_fields(args))
 
 
 def training_records(script: TrainScriptArguments) -> datasets.Dataset:
@@ -305,26 +321,38 @@ def _initial_draft(
 
 
 def _dflash2_fields(args: DFlashTrainingArguments) -> dict[str, int]:
-    return {name: getattr(args, name) for name in ("selector_rank", "selector_top_k", "conv_group_size")}
+    """The DFlash2 fields the arguments set (the others: `DFlashConfig`'s defaults, or the --init_draft's)."""
+    return {name: getattr(args, name) for name in DFLASH2_ARGUMENTS if getattr(args, name) is not None}
 
 
 def _continued_draft(init_draft: str, args: DFlashTrainingArguments, target) -> tuple[DFlashForDrafting, str]:
-    """The `--init_draft` drafter (a DFlash (v1) one converted to DFlash2 when `--variant dflash2` asks for it), and
-    how it started."""
+    """The `--init_draft` drafter (a DFlash (v1) one converted to DFlash2 when `--variant dflash2` asks for it, a
+    DFlash2 one reshaped where the arguments ask for it), and how it started."""
     draft = load_draft(init_draft, target)
-    if args.variant == draft.config.variant:
+    _check_continued_dflash2(init_draft, draft.config, args)
+    if draft.config.variant == "dflash2":
+        return draft, f"continued from {init_draft}" + _reshaped_selector(draft, _dflash2_fields(args))
+    if args.variant == "dflash":
         return draft, f"continued from {init_draft}"
-    if args.variant == "dflash2":
-        logger.info(f"Converting the DFlash drafter {init_draft} to DFlash2 (its proposals unchanged at step 0).")
-        converted = dflash2_from_dflash(draft, **_dflash2_fields(args))
-        return (
-            converted,
-            f"converted to DFlash2 from the DFlash drafter {init_draft} (identity convolutions, zero successor codebook)",
-        )
-    raise ValueError(
-        f"--init_draft {init_draft} is a DFlash2 drafter and --variant is {args.variant!r}: a DFlash2 drafter cannot "
-        "become v1 again. Pass --variant dflash2 to continue it."
+    logger.info(f"Converting the DFlash drafter {init_draft} to DFlash2 (its proposals unchanged at step 0).")
+    converted = dflash2_from_dflash(draft, **_dflash2_fields(args))
+    return (
+        converted,
+        f"converted to DFlash2 from the DFlash drafter {init_draft} (identity convolutions, zero successor codebook)",
     )
+
+
+def _reshaped_selector(draft: DFlashForDrafting, fields: dict[str, int]) -> str:
+    """Apply `fields` to a trained DFlash2 drafter: a smaller `selector_rank` narrows its selector, `selector_top_k`
+    sets its candidates (`check_selector_reshape` has refused what cannot be). Returns what changed, for its card."""
+    config, changes = draft.config, ""
+    if fields.get("selector_rank", config.selector_rank) != config.selector_rank:
+        changes += f", its selector narrowed from rank {config.selector_rank} to {fields['selector_rank']}"
+        reduce_selector_rank(draft, fields["selector_rank"])
+    if fields.get("selector_top_k", config.selector_top_k) != config.selector_top_k:
+        changes += f", {fields['selector_top_k']} candidates a slot instead of {config.selector_top_k}"
+        set_selector_top_k(draft, fields["selector_top_k"])
+    return changes
 
 
 def response_token_counts(dataset) -> Counter:
