@@ -16,7 +16,7 @@ acceptance against the target's warped distributions), batch 1, on GSM8K prompts
 weights, exact kernels: the bench's lossless setting) and `fp32-fast`.
 
 OMP_WAIT_POLICY=PASSIVE python benchmarks/scripts/probe_round_profile.py --modes bf16-exact fp32-fast \
-    --chains 2 4 8 --trees 4 8 16 --sampled_chains 2 4 8 --prompts 3 --max_new_tokens 96 \
+    --chains 2 4 8 --trees 4 8 16 --sampled_chains 2 4 8 --prompts 3 --max_new_tokens 96 [--threads 1] \
     --output benchmarks/results/round_profile.json
 """
 
@@ -209,9 +209,10 @@ def main() -> None:
     parser.add_argument("--sampled_chains", nargs="*", type=int, default=[2, 4, 6])
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (2 cores: try 1)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     results = []
     for mode in args.modes:
         dtype, exact = MODES[mode]
