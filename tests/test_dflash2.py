@@ -31,6 +31,7 @@ from test_sampling import SETTINGS, chi_square_pvalue, exact_joint, peaky_target
 from test_training import _args, _regenerated
 
 from hf_dflash import DFlashConfig, DFlashForDrafting, speculative_generate
+from hf_dflash.model.modeling_dflash import read_draft_config
 from hf_dflash.model.selector_dflash import DFlashSublayerConv
 from hf_dflash.training import DFlashTrainer, DFlashTrainingArguments
 from hf_dflash.training.draft_init import dflash2_from_dflash, reduce_selector_rank
@@ -149,6 +150,8 @@ def test_published_checkpoint_loads_every_tensor(published):
     state = draft.state_dict()
     for name, tensor in published_tensors().items():
         assert torch.equal(state[name], tensor), name
+    alone = read_draft_config(published).to_dict() | {"_name_or_path": config.name_or_path}
+    assert alone == config.to_dict()  # the config alone, read the same way
 
 
 def test_published_checkpoint_round_trips_through_the_zlab_layout(published, target, tmp_path):
@@ -659,6 +662,9 @@ def test_train_command_narrows_a_dflash2_drafter_it_continues(tmp_path):
     assert "narrowed from rank 8 to 4" in info["training"]["draft_init"]
     assert main([*argv, "--output_dir", str(tmp_path / "regroup"), "--conv_group_size", "32"]) == 2  # before a load
     assert not (tmp_path / "regroup").exists()
+    start.save_pretrained(tmp_path / "zlab", layout="z-lab")  # read in its own layout, also before a load
+    argv[argv.index(str(tmp_path / "v2"))] = str(tmp_path / "zlab")
+    assert main([*argv, "--output_dir", str(tmp_path / "wide"), "--selector_rank", str(2 * RANK)]) == 2
 
 
 def test_dflash2_flags_without_the_dflash2_variant_are_refused(tmp_path):

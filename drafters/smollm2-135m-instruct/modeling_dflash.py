@@ -470,10 +470,9 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         weight raises instead of being silently initialised at random.
         """
         if kwargs.get("config") is None:
-            config_dict, _ = DFlashConfig.get_config_dict(pretrained_model_name_or_path, **_hub_kwargs(kwargs))
-            layout = detect_layout(config_dict)
-            if layout != DFlashLayouts.HF:
-                kwargs["config"] = DFlashConfig(**config_dict_from_layout(config_dict, layout))
+            layout, converted = _layout_and_config(pretrained_model_name_or_path, _hub_kwargs(kwargs))
+            if converted is not None:
+                kwargs["config"] = converted
             if layout == DFlashLayouts.NATIVE:
                 kwargs.setdefault("key_mapping", NATIVE_KEY_MAPPING)
         wants_info = kwargs.pop("output_loading_info", False)
@@ -545,6 +544,23 @@ class DFlashForDrafting(DFlashPreTrainedModel):
                 "serving engines need: pass `target=` to the export so it can be measured."
             )
         return scale
+
+
+def read_draft_config(pretrained_model_name_or_path: str | os.PathLike, **hub_kwargs: Any) -> DFlashConfig:
+    """The `DFlashConfig` of a drafter checkpoint in any layout `DFlashForDrafting.from_pretrained` reads (hf-dflash,
+    z-lab, transformers-native), without loading its weights. `hub_kwargs`: `revision`, `token`, `cache_dir`, ..."""
+    _, converted = _layout_and_config(pretrained_model_name_or_path, hub_kwargs)
+    return converted or DFlashConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+
+
+def _layout_and_config(
+    pretrained_model_name_or_path: str | os.PathLike, hub_kwargs: dict
+) -> tuple[str, DFlashConfig | None]:
+    """A checkpoint's layout, and its config converted to `DFlashConfig` when it is not hf-dflash's own."""
+    config_dict, _ = DFlashConfig.get_config_dict(pretrained_model_name_or_path, **hub_kwargs)
+    layout = detect_layout(config_dict)
+    converted = DFlashConfig(**config_dict_from_layout(config_dict, layout)) if layout != DFlashLayouts.HF else None
+    return layout, converted
 
 
 def check_loaded_weights(name: str | os.PathLike, config: DFlashConfig, info: dict) -> None:
@@ -661,4 +677,4 @@ def _special_tokens(tokenizer: Any) -> dict[str, int]:
     return tokens
 
 
-__all__ = ["DFlashForDrafting", "DFlashPreTrainedModel", "DFlashLayouts", "choose_mask_token_id"]
+__all__ = ["DFlashForDrafting", "DFlashPreTrainedModel", "DFlashLayouts", "choose_mask_token_id", "read_draft_config"]

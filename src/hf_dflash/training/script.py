@@ -28,7 +28,7 @@ from hf_dflash.data.records import load_training_dataset
 from hf_dflash.loading import TargetArguments, load_draft, load_target_from_arguments, resolve_device, same_device
 from hf_dflash.model.configuration_dflash import DFlashConfig
 from hf_dflash.model.generation_dflash import token_ids
-from hf_dflash.model.modeling_dflash import DFlashForDrafting
+from hf_dflash.model.modeling_dflash import DFlashForDrafting, read_draft_config
 from hf_dflash.targets import KNOWN_TARGETS
 
 from .arguments import DFLASH2_ARGUMENTS, DFlashTrainingArguments
@@ -188,7 +188,7 @@ def check_train_inputs(script: TrainScriptArguments, args: DFlashTrainingArgumen
         )
     _checkpoint_to_resume(args.resume_from_checkpoint, args.output_dir)
     if script.init_draft and not is_adapter_folder(script.init_draft):  # its config read, nothing loaded
-        _check_continued_dflash2(script.init_draft, DFlashConfig.from_pretrained(script.init_draft), args)
+        _check_continued_dflash2(script.init_draft, read_draft_config(script.init_draft), args)
 
 
 def _check_continued_dflash2(init_draft: str, config: DFlashConfig, args: DFlashTrainingArguments) -> None:
