@@ -34,7 +34,7 @@ from hf_dflash import DFlashConfig, DFlashForDrafting, speculative_generate
 from hf_dflash.model.modeling_dflash import read_draft_config
 from hf_dflash.model.selector_dflash import DFlashSublayerConv
 from hf_dflash.training import DFlashTrainer, DFlashTrainingArguments
-from hf_dflash.training.draft_init import dflash2_from_dflash, reduce_selector_rank
+from hf_dflash.training.draft_init import dflash2_from_dflash, reduce_selector_rank, set_selector_top_k
 from hf_dflash.training.loss import SelectorTerm, block_loss, selector_cross_entropy
 
 HIDDEN, RANK, TOP_K, BLOCK = 64, 8, 4, 4
@@ -638,6 +638,8 @@ def test_narrowing_a_selector_keeps_its_strongest_components(published, target, 
     assert torch.equal(reloaded.candidate_selector.predecessor_codebook, selector.predecessor_codebook)
     with pytest.raises(ValueError, match="can only be narrowed"):
         reduce_selector_rank(draft, 6)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        set_selector_top_k(draft, VOCAB + 1)
 
 
 def test_train_command_narrows_a_dflash2_drafter_it_continues(tmp_path):

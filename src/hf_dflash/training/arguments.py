@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from hf_dflash.model.configuration_dflash import VARIANTS
+from hf_dflash.model.configuration_dflash import VARIANTS, DFlashConfig
 
 from .collator import default_loss_decay_gamma
 from .target_features import FEATURE_DTYPES, STORAGES
@@ -120,18 +120,22 @@ class DFlashTrainingArguments(TrainingArguments):
     selector_rank: int | None = field(
         default=None,
         metadata={
-            "help": "DFlash2: width R of the selector's codebooks (default 256; an --init_draft DFlash2 drafter keeps "
-            "its own, and a smaller R narrows it to its strongest components)."
+            "help": f"DFlash2: width R of the selector's codebooks (default {DFlashConfig.selector_rank}; an "
+            "--init_draft DFlash2 drafter keeps its own, and a smaller R narrows it to its strongest components)."
         },
     )
     selector_top_k: int | None = field(
         default=None,
-        metadata={"help": "DFlash2: candidates K the selector keeps per slot (default 16, or the --init_draft's)."},
+        metadata={
+            "help": f"DFlash2: candidates K the selector keeps per slot (default {DFlashConfig.selector_top_k}, or "
+            "the --init_draft's)."
+        },
     )
     conv_group_size: int | None = field(
         default=None,
         metadata={
-            "help": "DFlash2: channels sharing one dynamic convolution coefficient (default 16, or the --init_draft's)."
+            "help": "DFlash2: channels sharing one dynamic convolution coefficient (default "
+            f"{DFlashConfig.conv_group_size}, or the --init_draft's)."
         },
     )
     selector_loss_weight: float = field(

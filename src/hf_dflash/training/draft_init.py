@@ -88,27 +88,21 @@ def dflash2_from_dflash(draft: DFlashForDrafting, **fields: object) -> DFlashFor
 
 def check_selector_reshape(config: DFlashConfig, fields: dict[str, int]) -> None:
     """Refuse DFlash2 `fields` that a trained DFlash2 drafter of `config` cannot take: a wider selector (its rank can
-    only shrink), more candidates than its draft vocabulary, other convolution groups. Raises `ValueError`."""
-    rank, top_k = (
-        fields.get("selector_rank", config.selector_rank),
-        fields.get("selector_top_k", config.selector_top_k),
-    )
-    if not 1 <= rank <= config.selector_rank:
+    only shrink), other convolution groups, or what no DFlash2 config takes (`DFlashConfig`'s own checks, e.g. more
+    candidates than the draft vocabulary). Raises `ValueError`."""
+    rank = fields.get("selector_rank", config.selector_rank)
+    if rank > config.selector_rank:
         raise ValueError(
             f"selector_rank={rank}: a trained selector can only be narrowed (this drafter's rank is "
             f"{config.selector_rank}). Pass a rank between 1 and {config.selector_rank}, or train a wider one from a "
             "DFlash drafter with --variant dflash2."
-        )
-    vocabulary = config.draft_vocab_size or config.vocab_size
-    if not 1 <= top_k <= vocabulary:
-        raise ValueError(
-            f"selector_top_k={top_k} must be between 1 and the draft vocabulary ({vocabulary} tokens). Lower it (e.g. 16)."
         )
     if fields.get("conv_group_size", config.conv_group_size) != config.conv_group_size:
         raise ValueError(
             f"conv_group_size={fields['conv_group_size']}: this drafter's convolutions were trained with groups of "
             f"{config.conv_group_size} channels. Leave conv_group_size out to continue it."
         )
+    type(config).from_dict(config.to_dict() | fields)  # the reshaped config, checked as any config is
 
 
 @torch.no_grad()
