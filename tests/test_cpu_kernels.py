@@ -582,15 +582,16 @@ def test_a_dtype_onednn_cannot_pack_falls_back_with_a_warning(monkeypatch):
 
 
 def _clear_compiled_kernels(compiled_kernels) -> None:
-    for cached in (compiled_kernels._built, compiled_kernels.compiled_attention, compiled_kernels.compiled_linear):
-        cached.cache_clear()
+    cached = (compiled_kernels._built, compiled_kernels.compiled_attention, compiled_kernels.compiled_linear)
+    for function in (*cached, compiled_kernels.compiled_sort):
+        function.cache_clear()
 
 
 @pytest.mark.parametrize(
     "missing",
     [
         ("_missing_tools", lambda: "ninja is not installed; `pip install ninja`"),
-        ("SOURCES", [Path("/nonexistent.cpp")]),
+        ("SOURCES", {"row_invariant": [Path("/nonexistent.cpp")], "sort": [Path("/nonexistent.cpp")]}),
     ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -601,7 +602,7 @@ def test_without_the_compiled_kernels_exact_mode_says_why_and_stays_exact(monkey
 
     warnings = []
     monkeypatch.setattr(compiled_kernels, *missing)
-    monkeypatch.setattr(compiled_kernels, "_build_name", lambda: "hf_dflash_test_missing_kernel")
+    monkeypatch.setattr(compiled_kernels, "_build_name", lambda group: f"hf_dflash_test_missing_{group}_kernel")
     monkeypatch.setattr(compiled_kernels.logger, "warning", warnings.append)
     _clear_compiled_kernels(compiled_kernels)
     try:

@@ -2,6 +2,7 @@
 distribution. We compare sampled (t1, t2, t3) against the target's exact joint distribution, enumerated over a small
 vocabulary, with a chi-square test; a negative control shows the test does reject a biased sampler."""
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -9,7 +10,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, Lla
 from transformers.generation import TopPLogitsWarper
 
 from hf_dflash import DFlashForDrafting, optimize_for_cpu, speculative_generate
-from hf_dflash.decoding import cpu_kernels
+from hf_dflash.decoding import compiled_kernels, cpu_kernels, speculative
 from hf_dflash.decoding.speculative import (
     NucleusOfTopCandidates,
     TopPBySortedValues,
@@ -285,7 +286,12 @@ def test_sample_categorical_rejects_a_row_without_mass(bad):
         sample_categorical(torch.tensor([[0.5, 0.5], bad]))
 
 
-def test_top_p_by_sorted_values_is_the_top_p_warper_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("sort", ["compiled", "numpy"])
+def test_top_p_by_sorted_values_is_the_top_p_warper_bit_for_bit(monkeypatch, sort):
+    if sort == "numpy":
+        monkeypatch.setattr(speculative, "compiled_sort", lambda: None)
+    elif compiled_kernels.compiled_sort() is None:
+        pytest.skip("the compiled sort cannot be built here (no compiler or ninja)")
     generator = torch.Generator().manual_seed(0)
     ids = torch.zeros(64, 1, dtype=torch.long)
     scores = torch.randn(64, 2000, generator=generator) * torch.linspace(0.5, 8, 64)[:, None]  # flat to peaked
@@ -309,3 +315,53 @@ def test_top_p_by_sorted_values_is_the_top_p_warper_bit_for_bit(monkeypatch):
         TopPBySortedValues(0.5)(ids[:1], tied.clone()), warper_call(TopPLogitsWarper(0.5), ids[:1], tied)
     )
     assert fallbacks == [1]
+    # a NaN: the sorts place it differently, so the warper's own sort decides
+    with_nan = scores[16:18].clone()
+    with_nan[0, 5] = float("nan")
+    fallbacks.clear()
+    got, expected = (
+        TopPBySortedValues(0.9)(ids[:2], with_nan.clone()),
+        warper_call(TopPLogitsWarper(0.9), ids[:2], with_nan),
+    )
+    assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(), expected.nan_to_num())
+    assert fallbacks == [1]
+
+
+def test_the_compiled_sort_gives_numpys_sorted_values():
+    sort = compiled_kernels.compiled_sort()
+    if sort is None:
+        pytest.skip("the compiled sort cannot be built here (no compiler or ninja)")
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        torch.randn(3, 49152, generator=generator) * 3,  # a vocabulary's logits
+        (torch.randn(2, 5000, generator=generator) * 4).round(),  # many ties
+        torch.full((1, 300), 2.5),  # one value: every digit the same, no pass runs
+        torch.tensor([[0.0, -0.0, float("-inf"), float("inf"), 1e-40, -1e-40, 3.0, -3.0, 3.0, -0.0]]),
+        torch.randn(4, 1, generator=generator),
+        torch.empty(2, 0),
+    ]
+    warped = torch.randn(2, 1000, generator=generator)
+    warped[:, ::2] = float("-inf")  # a top-k warper's output
+    for values in [*rows, warped, torch.randn(3, 777, generator=generator).t()]:  # the last one not contiguous
+        expected = torch.from_numpy(np.sort(values.numpy(), axis=-1))
+        assert torch.equal(sort(values), expected)  # as values: -0.0 and +0.0 compare equal, in either order
+    with pytest.raises(RuntimeError, match="2D float32"):
+        sort(torch.zeros(3, dtype=torch.float64)[None])
+
+
+def test_without_the_compiled_sort_top_p_says_why_and_keeps_its_bits(monkeypatch):
+    warnings = []
+    monkeypatch.setattr(compiled_kernels, "_missing_tools", lambda: "ninja is not installed; `pip install ninja`")
+    monkeypatch.setattr(compiled_kernels.logger, "warning", warnings.append)
+    compiled_kernels.compiled_sort.cache_clear()
+    compiled_kernels._built.cache_clear()
+    try:
+        scores = torch.randn(4, 3000, generator=torch.Generator().manual_seed(1)) * 3
+        ids = torch.zeros(4, 1, dtype=torch.long)
+        got = TopPBySortedValues(0.9)(ids, scores.clone())
+        TopPBySortedValues(0.9)(ids, scores.clone())
+    finally:
+        compiled_kernels.compiled_sort.cache_clear()
+        compiled_kernels._built.cache_clear()
+    assert torch.equal(got, TopPLogitsWarper(0.9)(ids, scores.clone()))
+    assert len(warnings) == 1 and "pip install ninja" in warnings[0] and "NumPy's sort" in warnings[0]

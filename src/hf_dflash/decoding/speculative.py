@@ -59,6 +59,7 @@ from hf_dflash.model.generation_dflash import (
     warp_logits,
 )
 
+from .compiled_kernels import compiled_sort
 from .cpu_kernels import is_optimized_for_cpu, optimize_target_and_draft_for_cpu
 from .policy import RoundOverhead, VerifyCosts, VerifyPlanner
 from .tree import (
@@ -380,17 +381,21 @@ class NucleusOfTopCandidates(LogitsProcessor):
 
 
 class TopPBySortedValues(TopPLogitsWarper):
-    """`TopPLogitsWarper` with the same result bit for bit, from a sort of the scores' values alone: NumPy's vectorised
-    sort on a CPU takes 1.0 against torch's 3.8 ms for a row of SmolLM2's 49,152 tokens on 2 cores (a sampled round
-    warps two or three target rows). Sorted ascending, the values are the same sequence whatever the ties, so their
-    softmax and cumulative sums are the warper's own, and the tokens it removes are those at or below the last value
-    it removes. Where that value ties with the first kept one, only the warper's own index order says which tied
-    tokens go: the row batch then runs through `TopPLogitsWarper` itself, as do non-CPU and non-fp32 scores."""
+    """`TopPLogitsWarper` with the same result bit for bit, from a sort of the scores' values alone: the compiled radix
+    sort (`compiled_sort`) takes 0.2 ms for a row of SmolLM2's 49,152 tokens on one Zen 4 core, NumPy's sort (where it
+    cannot be built) 1.0, torch's sort with indices 2.5 (a sampled round warps two or three target rows). Sorted
+    ascending, the values are the same sequence whatever the ties, so their softmax and cumulative sums are the
+    warper's own, and the tokens it removes are those at or below the last value it removes. Where that value ties
+    with the first kept one, only the warper's own index order says which tied tokens go: the row batch then runs
+    through `TopPLogitsWarper` itself, as do non-CPU and non-fp32 scores and scores holding a NaN (which the sorts
+    place differently)."""
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2:
             return super().__call__(input_ids, scores)
-        sorted_scores = torch.from_numpy(np.sort(scores.detach().numpy(), axis=-1))  # [n, V], ascending
+        if bool(scores.isnan().any()):
+            return super().__call__(input_ids, scores)
+        sorted_scores = _sorted_values(scores.detach())  # [n, V], ascending
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # nondecreasing: the removed entries are a prefix
         threshold = cumulative.new_full((scores.shape[0], 1), 1 - self.top_p)
         num_removed = torch.searchsorted(cumulative, threshold, right=True)  # [n, 1]: entries <= the threshold
@@ -401,6 +406,14 @@ class TopPBySortedValues(TopPLogitsWarper):
         if bool((last_removed == first_kept).any()):  # a tie at the cut
             return super().__call__(input_ids, scores)
         return torch.where(scores > last_removed, scores, self.filter_value)
+
+
+def _sorted_values(scores: torch.Tensor) -> torch.Tensor:
+    """Each row of `[n, V]` float32 CPU scores sorted ascending: the compiled sort, else NumPy's (same values)."""
+    sort = compiled_sort()
+    if sort is None:
+        return torch.from_numpy(np.sort(scores.numpy(), axis=-1))
+    return sort(scores)
 
 
 def proposal_warpers(warpers: LogitsProcessorList) -> LogitsProcessorList:
