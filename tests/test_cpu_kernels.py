@@ -442,6 +442,33 @@ def test_speculative_generate_prepares_a_cpu_target_once_unless_told_not_to():
     assert [type(m) for m in target.modules()] == modules
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_reduced_vocabulary_drafters_head_is_prepared_with_the_drafter(dtype):
+    """The drafter's product with the target head's rows of its vocabulary gets a prepared kernel too, gives the
+    logits of the stock product (to rounding in bf16), and greedy decoding stays identical to plain decoding."""
+    from helpers import make_draft
+
+    from hf_dflash.decoding.cpu_kernels import optimize_target_and_draft_for_cpu
+
+    target = make_target("llama", dtype=dtype)
+    draft = make_draft(target, block_size=4, draft_vocab_size=40).to(dtype)
+    draft.set_draft_vocabulary(torch.arange(0, 80, 2))
+    lm_head = target.get_output_embeddings()
+    hidden = torch.randn(2, 3, target.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    stock = draft.draft_logits(hidden, lm_head)
+    assert type(draft.draft_head(lm_head)) is nn.Linear
+    optimize_target_and_draft_for_cpu(target, draft, exact=True)
+    head = draft.draft_head(lm_head)
+    assert isinstance(head, PreparedLinear) and torch.equal(head.weight, lm_head.weight[0:80:2])
+    prepared = draft.draft_logits(hidden, lm_head)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    assert prepared.shape == stock.shape == (2, 3, 40) and torch.allclose(prepared.float(), stock.float(), **tolerance)
+    prompt = random_prompt(12, seed=5)
+    reference = greedy_reference(target, prompt, 24)
+    out = speculative_generate(target, draft, prompt[None], max_new_tokens=24)
+    assert out.sequences[0].tolist() == reference.tolist()
+
+
 # -- the same model ----------------------------------------------------------------------------------------------------
 
 

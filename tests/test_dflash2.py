@@ -792,3 +792,16 @@ def test_resizing_a_dflash2_vocabulary_moves_the_codebook_rows_with_their_tokens
     assert after.shape == (6, RANK) and draft.candidate_selector.predecessor_codebook.shape == (6, RANK)
     assert torch.equal(after[[1, 2, 4]], before[[1, 3, 5]])  # tokens 4, 8, 12 keep their rows
     assert not after[[0, 3, 5]].any()  # tokens 1, 9, 30 are new: zero rows
+
+
+@pytest.mark.parametrize("length", [8, 6])  # whole blocks of 4 (shifted inside each block), and a partial one
+def test_block_causal_shift_moves_each_slot_back_inside_its_block(length):
+    from hf_dflash.model.selector_dflash import block_causal_shift
+
+    x = torch.randn(2, length, 3, 5, generator=torch.Generator().manual_seed(0))
+    for tau in range(4):
+        expected = torch.zeros_like(x)
+        for t in range(length):
+            if t % 4 >= tau:
+                expected[:, t] = x[:, t - tau]
+        assert torch.equal(block_causal_shift(x, tau, 4), expected), tau

@@ -307,12 +307,8 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         # (contiguous, but not with default strides) takes a slow oneDNN path: 3.4 against 0.29 ms for the same rows as
         # a 2-D input at SmolLM2's draft head on a Xeon (benchmarks/results/probe_sliced_linear_xeon.json).
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])  # a view where it can be
-        token_ids = self.draft_token_ids
-        if token_ids is None:
-            logits = lm_head(rows)
-        else:
-            weight, bias = self._draft_head(lm_head, token_ids)
-            logits = nn.functional.linear(rows, weight, bias)
+        head = lm_head if self.draft_token_ids is None else self.draft_head(lm_head)
+        logits = head(rows)
         return logits.view(*hidden_states.shape[:-1], logits.shape[-1])
 
     def to_target_ids(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
@@ -364,14 +360,20 @@ class DFlashForDrafting(DFlashPreTrainedModel):
         full = draft_scores.new_full((*draft_scores.shape[:-1], vocab_size), fill)
         return full.index_copy_(-1, token_ids, draft_scores)
 
-    def _draft_head(self, lm_head: nn.Module, token_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The LM-head rows of the draft vocabulary, cached while the (frozen) head and the vocabulary are unchanged."""
+    def draft_head(self, lm_head: nn.Module) -> nn.Linear:
+        """The target's LM head over the draft vocabulary only: an `nn.Linear` holding its rows (frozen), cached while
+        the head and the vocabulary are unchanged, so a CPU preparation (`hf_dflash.optimize_for_cpu`) can give its
+        product a faster kernel once. Over the whole vocabulary the head itself is used."""
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         key = (weight.data_ptr(), weight._version, self.d2t.data_ptr(), self.d2t._version)
         if self._draft_head_cache is None or self._draft_head_cache[0] != key:
-            rows = weight.detach()[token_ids]
-            self._draft_head_cache = (key, rows, bias.detach()[token_ids] if bias is not None else None)
-        return self._draft_head_cache[1], self._draft_head_cache[2]
+            token_ids = self.draft_token_ids
+            head = nn.Linear(weight.shape[1], token_ids.shape[0], bias=bias is not None, device="meta")
+            head.weight = nn.Parameter(weight.detach()[token_ids], requires_grad=False)
+            if bias is not None:
+                head.bias = nn.Parameter(bias.detach()[token_ids], requires_grad=False)
+            self._draft_head_cache = (key, head)
+        return self._draft_head_cache[1]
 
     def forward(
         self,

@@ -38,6 +38,10 @@ def block_causal_shift(x: torch.Tensor, tau: int, block_size: int) -> torch.Tens
     """`x[..., t - tau, :]` at slot t of each block of `block_size` slots, zero where that lies before the block."""
     if tau == 0:
         return x
+    if x.shape[1] % block_size == 0:  # whole blocks (always, in drafting and training): shift inside each block
+        blocks = x.unflatten(1, (-1, block_size))  # [b, n, B, ...]
+        pad = [0, 0] * (x.dim() - 2) + [tau, 0]  # F.pad's order: last dimension first; zeros before each block
+        return torch.nn.functional.pad(blocks[:, :, :-tau], pad).flatten(1, 2)
     shifted = torch.cat([torch.zeros_like(x[:, :tau]), x[:, :-tau]], dim=1)  # [b, L, ...], the first tau rows zero
     slot_in_block = torch.arange(x.shape[1], device=x.device) % block_size
     inside = (slot_in_block >= tau).to(x.dtype)
@@ -76,10 +80,11 @@ class DFlashSublayerConv(nn.Module):
         """Convolve `x` `[b, L, H]` on `side` (0: the sublayer's input, 1: its output) -> `[b, L, H]`."""
         grouped = x.unflatten(-1, (self.num_groups, self.group_size))  # [b, L, G, gs]
         kernel = self.base_kernel[side].view(self.num_taps, self.num_groups, self.group_size).to(x.dtype)
-        out = torch.zeros_like(grouped)
+        out = None
         for tau in range(self.num_taps):
             weight = kernel[tau] + coefficients[:, :, side, tau, :, None]  # [b, L, G, gs]
-            out = out + weight * block_causal_shift(grouped, tau, self.block_size)
+            term = weight * block_causal_shift(grouped, tau, self.block_size)
+            out = term if out is None else out + term
         return out.flatten(-2)
 
 
