@@ -21,7 +21,13 @@ __version__ = "0.1.0"
 # Every public name and the module that defines it, imported on first use (`hf_dflash.lazy_names`): `import hf_dflash`
 # stays light, so `hf-dflash --help` answers without importing torch.
 _MODULES = {
-    "hf_dflash.decoding.cpu_kernels": ("CPUPreparation", "KernelChoices", "is_optimized_for_cpu", "optimize_for_cpu"),
+    "hf_dflash.decoding.cpu_kernels": (
+        "CPUPreparation",
+        "KernelChoices",
+        "is_optimized_for_cpu",
+        "optimize_for_cpu",
+        "optimize_target_and_draft_for_cpu",
+    ),
     "hf_dflash.decoding.policy": ("VerifyCosts", "VerifyPlanner", "measure_verify_costs"),
     "hf_dflash.decoding.speculative": ("SpeculativeOutput", "SpeculativeStats", "speculative_generate"),
     "hf_dflash.model.configuration_dflash": ("DFlashConfig", "default_target_layer_ids"),

@@ -521,8 +521,10 @@ def optimize_for_cpu(model: nn.Module, exact: bool = False, choices: KernelChoic
 def optimize_target_and_draft_for_cpu(
     target: nn.Module, draft: nn.Module | None = None, exact: bool = False
 ) -> CPUPreparation:
-    """`optimize_for_cpu` on a target (`exact` as asked) and its drafter, each weight shape measured once. The drafter
-    is prepared fast: its numbers decide what is proposed, never what is kept. A drafter already prepared is kept."""
+    """`optimize_for_cpu` on a target (`exact` as asked) and its drafter, each weight shape measured once, and the
+    drafter's product with the target head's rows of its reduced vocabulary (`DFlashForDrafting.draft_head`), which
+    `optimize_for_cpu(draft)` alone cannot reach. The drafter is prepared fast: its numbers decide what is proposed,
+    never what is kept. A drafter already prepared is kept. Returns the target's preparation."""
     preparation = optimize_for_cpu(target, exact=exact)
     if draft is not None and not is_optimized_for_cpu(draft):
         draft_preparation = optimize_for_cpu(draft, choices=preparation.choices)
