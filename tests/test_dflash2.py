@@ -489,10 +489,60 @@ def test_transformers_native_path_is_refused_for_dflash2(target):
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=draft, speculation_type="dflash", max_new_tokens=4)
 
 
-def test_trees_are_refused_for_dflash2(target):
-    draft = make_draft(target, **SELECTOR)
-    with pytest.raises(ValueError, match="DFlash2 drafter proposes its candidate selector's chain"):
-        speculative_generate(target, draft, torch.tensor([[1, 2, 3]]), max_new_tokens=4, tree=4, optimize_cpu=False)
+def test_lattice_tree_takes_the_best_paths_of_the_lattice():
+    """Against every path of a small random lattice, enumerated: the tree holds the N most probable prefixes, each
+    with its path probability (the product of its transitions), parents before children, best first."""
+    from itertools import product
+
+    from hf_dflash.decoding.tree import ROOT, lattice_tree
+
+    generator = torch.Generator().manual_seed(0)
+    slots, k, num_nodes = 3, 3, 7
+    candidates = torch.randint(0, 50, (1, slots, k), generator=generator)
+    transitions = torch.rand(1, slots, k, k, generator=generator).softmax(-1)
+    transitions[:, 0] = transitions[:, 0, :1]  # the first slot follows the bonus token alone
+    paths = {}  # every prefix (candidate indices) -> its probability
+    for length in range(1, slots + 1):
+        for path in product(range(k), repeat=length):
+            prob = float(transitions[0, 0, 0, path[0]])
+            for depth in range(1, length):
+                prob *= float(transitions[0, depth, path[depth - 1], path[depth]])
+            paths[path] = prob
+    best = sorted(paths.values(), reverse=True)[:num_nodes]
+    tree = lattice_tree(candidates, transitions, num_nodes)
+    parents, depths = tree.parents[0].tolist(), tree.depths[0].tolist()
+    for node, parent in enumerate(parents):  # parents first, one depth up
+        assert parent < node and depths[node] == (1 if parent == ROOT else depths[parent] + 1)
+    probs = tree.path_probs[0].tolist()
+    assert probs == sorted(probs, reverse=True)
+    assert torch.allclose(torch.tensor(probs), torch.tensor(best), rtol=1e-6)
+    # each node's token is its slot's candidate, and its probability its path's
+    for node in range(num_nodes):
+        path, index = [], node
+        while index != ROOT:
+            path.append(index)
+            index = parents[index]
+        indices = [int((candidates[0, depths[i] - 1] == tree.tokens[0, i]).nonzero()[0]) for i in reversed(path)]
+        assert paths[tuple(indices)] == pytest.approx(probs[node], rel=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_neox"])
+@pytest.mark.parametrize("costs", [False, True], ids=["tree-8", "planned"])
+def test_greedy_dflash2_trees_from_the_lattice_are_lossless_on_a_ragged_batch(family, costs):
+    from hf_dflash import VerifyCosts
+
+    target = make_target(family)
+    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11, 8)]
+    references = [greedy_reference(target, prompt, 30) for prompt in prompts]
+    ids, mask = left_pad(prompts)
+    draft = steered_dflash2(target, references)
+    verify_costs = VerifyCosts(verify=tuple(1.0 + 0.02 * n for n in range(17)), draft=0.1) if costs else None
+    out = speculative_generate(
+        target, draft, ids, mask, max_new_tokens=30, tree=8, verify_costs=verify_costs, optimize_cpu=False
+    )
+    for row, reference in enumerate(references):
+        assert out.sequences[row, ids.shape[1] : ids.shape[1] + 30].tolist() == reference[-30:].tolist()
+    assert out.stats.tree_rounds > 0 and max(out.stats.acceptance_lengths) >= 4
 
 
 def test_a_v1_drafter_has_no_selector(target):

@@ -270,7 +270,7 @@ def _method_names(
     unknown = [m for m in names if m not in methods]
     if unknown:
         raise ValueError(f"Unknown methods {unknown}; known: {sorted(methods)}.")
-    skipped = not_applicable(names, target, config.do_sample, planner, draft)
+    skipped = not_applicable(names, target, config.do_sample, planner)
     return [m for m in names if m not in skipped], skipped
 
 

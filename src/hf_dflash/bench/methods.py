@@ -203,11 +203,7 @@ def extra_thread_counts(thread_counts: Sequence[int]) -> list[int]:
 
 
 def not_applicable(
-    names: Sequence[str],
-    target: PreTrainedModel,
-    do_sample: bool,
-    planner: VerifyPlanner,
-    draft: PreTrainedModel | None = None,
+    names: Sequence[str], target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner
 ) -> dict[str, str]:
     """The methods that would repeat another one or cannot run in this setting, with the reason (tree support is
     asked of `planner`, which answers it once)."""
@@ -217,9 +213,7 @@ def not_applicable(
             skipped[name] = GREEDY_ONLY[name]
         elif name in SAMPLING_ONLY and not do_sample:
             skipped[name] = SAMPLING_ONLY[name]
-        elif (
-            name in TREE_METHODS and (reason := tree_unsupported_reason(target, do_sample, planner, draft)) is not None
-        ):
+        elif name in TREE_METHODS and (reason := tree_unsupported_reason(target, do_sample, planner)) is not None:
             skipped[name] = reason
     for name, reason in skipped.items():
         logger.info(f"Method {name!r} left out: {reason}.")

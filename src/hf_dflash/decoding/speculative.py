@@ -58,6 +58,7 @@ from hf_dflash.model.generation_dflash import (
     walk_logits,
     warp_logits,
 )
+from hf_dflash.model.selector_dflash import walk_lattice
 
 from .compiled_kernels import compiled_sort
 from .cpu_kernels import is_optimized_for_cpu, optimize_target_and_draft_for_cpu
@@ -68,6 +69,7 @@ from .tree import (
     best_first_tree,
     chain,
     keep_path,
+    lattice_tree,
     tree_attention_mask,
 )
 
@@ -289,7 +291,7 @@ def _max_tree_nodes(
         raise ValueError(f"tree must be None, a bool or a number of nodes >= 0, got {tree!r}.")
     if wanted == 0:
         return 0
-    reason = tree_unsupported_reason(target, do_sample, planner, draft)
+    reason = tree_unsupported_reason(target, do_sample, planner)
     if reason is None:
         return wanted
     if tree is None:  # the default quietly falls back to chains
@@ -298,13 +300,10 @@ def _max_tree_nodes(
     raise ValueError(f"tree={tree!r} cannot be used: {reason}. Pass tree=False (chains).")
 
 
-def tree_unsupported_reason(
-    target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner, draft: PreTrainedModel | None = None
-) -> str | None:
-    """Why `target` (with `draft`) cannot verify draft trees under these settings, or `None` when it can (tree
-    support is checked once per `planner`)."""
-    if draft is not None and is_dflash2(draft):
-        return "a DFlash2 drafter proposes its candidate selector's chain"
+def tree_unsupported_reason(target: PreTrainedModel, do_sample: bool, planner: VerifyPlanner) -> str | None:
+    """Why `target` cannot verify draft trees under these settings, or `None` when it can (tree support is checked
+    once per `planner`). A v1 drafter's trees come from its slots' top candidates, a DFlash2 drafter's from its
+    selector's lattice."""
     if do_sample:
         return "draft trees are verified for greedy decoding only (sampling verifies chains)"
     if _has_sliding_window(target):
@@ -663,6 +662,8 @@ def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> 
     length is planned from its choices' probabilities; a sampled one's from the unary confidences, known before
     anything is drawn (a length chosen after seeing the draws would bias them). Under sampling `q` is the walk's
     distribution over each slot's candidates, zero elsewhere (one-hot for a greedy walk)."""
+    if setup.max_tree_nodes:
+        return _selector_tree(setup, state, hidden)
     sampled = setup.do_sample and setup.sample_proposals
     temperature = setup.temperature if sampled else None
     lm_head = setup.target.get_output_embeddings()
@@ -677,6 +678,21 @@ def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> 
     else:
         q = torch.nn.functional.one_hot(tokens, vocab).to(walk.row_scores.dtype)
     return Proposal(tree, q[:, : tree.num_nodes])
+
+
+def _selector_tree(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> Proposal:
+    """DFlash2, greedy, with trees: the best-first tree of the selector's lattice (each candidate's probability the
+    softmax of its scores after its parent's candidate) or its walked chain, whichever plan brings more (the tree
+    alone without costs)."""
+    draft = setup.draft
+    lattice = draft.selector_lattice(hidden, setup.target.get_output_embeddings(), state.bonus)
+    candidates = draft.to_target_ids(lattice.candidate_ids)  # [b, S, K]
+    tree = lattice_tree(candidates, lattice.scores.softmax(-1), setup.max_tree_nodes)
+    if setup.verify_costs is None:
+        return Proposal(tree)
+    walk = walk_lattice(lattice)
+    walked = chain(draft.to_target_ids(walk.draft_ids), walk.chosen_probs())
+    return Proposal(max(_plans(setup, state, tree), _plans(setup, state, walked), key=lambda plan: plan[1])[0])
 
 
 def _planned(setup: _Setup, state: DecodeState, candidates: DraftTree) -> DraftTree:

@@ -74,31 +74,47 @@ def best_first_tree(top_ids: torch.LongTensor, top_probs: torch.Tensor, num_node
     its path's slot probabilities. Rows with fewer possible nodes than asked (`K^S` in all) are never short here:
     callers ask for at most `S * K` nodes, which a row always has.
     """
-    batch, slots, k = top_ids.shape
+    k = top_ids.shape[2]
+    slot_probs = top_probs.float().cpu().tolist()  # [b][S][K]
+    transitions = [[[slot] * k for slot in row] for row in slot_probs]  # every parent sees its slot's list (shared)
+    return _tree(top_ids, transitions, num_nodes)
+
+
+def lattice_tree(candidate_ids: torch.LongTensor, transition_probs: torch.Tensor, num_nodes: int) -> DraftTree:
+    """`best_first_tree` where a candidate's probability depends on its parent's: `candidate_ids` `[b, S, K]` and
+    `transition_probs` `[b, S, K, K]`, entry `[i, p, c]` the probability of slot i's candidate c after slot i - 1's
+    candidate p (slot 0: every row `p` is the bonus token's). DFlash2's selector scores such a lattice
+    (`SelectorLattice.scores`, whose row softmaxes these are); its best paths make the tree."""
+    return _tree(candidate_ids, transition_probs.float().cpu().tolist(), num_nodes)
+
+
+def _tree(candidate_ids: torch.LongTensor, transitions: list, num_nodes: int) -> DraftTree:
+    """The best-first tree of each row's `transitions[i][p][c]` (host lists) over `candidate_ids` `[b, S, K]`."""
+    batch, slots, k = candidate_ids.shape
     num_nodes = min(num_nodes, slots * k)
-    probs = top_probs.float().cpu().tolist()
-    rows = [_best_first_row(row_probs, num_nodes) for row_probs in probs]  # [(parents, depths, candidate, prob)]
+    rows = [_best_first_row(row, num_nodes) for row in transitions]  # [(parents, depths, candidate, prob)]
     parents = torch.tensor([[node[0] for node in row] for row in rows], dtype=torch.long)
     depths = torch.tensor([[node[1] for node in row] for row in rows], dtype=torch.long)
     candidate = torch.tensor([[node[2] for node in row] for row in rows], dtype=torch.long)
     path_probs = torch.tensor([[node[3] for node in row] for row in rows], dtype=torch.float32)
-    device = top_ids.device
+    device = candidate_ids.device
     parents, depths, candidate = parents.to(device), depths.to(device), candidate.to(device)
-    tokens = top_ids[torch.arange(batch, device=device)[:, None], (depths - 1).clamp(min=0), candidate]
+    tokens = candidate_ids[torch.arange(batch, device=device)[:, None], (depths - 1).clamp(min=0), candidate]
     return DraftTree(tokens, parents, depths, path_probs.to(device))
 
 
-def _best_first_row(slot_probs: list[list[float]], num_nodes: int) -> list[tuple[int, int, int, float]]:
-    """(parent, depth, candidate index, path probability) of one row's best nodes, popped from a max-heap."""
-    heap = [(-slot_probs[0][c], ROOT, 1, c) for c in range(len(slot_probs[0]))]
+def _best_first_row(transitions: list[list[list[float]]], num_nodes: int) -> list[tuple[int, int, int, float]]:
+    """(parent, depth, candidate index, path probability) of one row's best nodes, popped from a max-heap;
+    `transitions[i][p][c]`: slot i's candidate c after candidate p of slot i - 1."""
+    heap = [(-prob, ROOT, 1, c) for c, prob in enumerate(transitions[0][0])]
     heapq.heapify(heap)
     nodes: list[tuple[int, int, int, float]] = []
     while heap and len(nodes) < num_nodes:
         negative_prob, parent, depth, candidate = heapq.heappop(heap)
         nodes.append((parent, depth, candidate, -negative_prob))
-        if depth < len(slot_probs):  # its children: the next slot's candidates
+        if depth < len(transitions):  # its children: the next slot's candidates after this one
             index = len(nodes) - 1
-            for c, prob in enumerate(slot_probs[depth]):
+            for c, prob in enumerate(transitions[depth][candidate]):
                 heapq.heappush(heap, (negative_prob * prob, index, depth + 1, c))
     return nodes
 
