@@ -209,22 +209,24 @@ def test_convolution_matches_the_loop_inside_each_block(published):
 
 
 def loop_selector(draft, hidden, head_weight, anchors, temperature=None, uniforms=None):
-    """Candidates, lattice and walked chain from the spec's formulas, one index at a time."""
+    """Candidates, lattice, walked chain and each slot's candidate mass (the unary softmax's share on the candidates)
+    from the spec's formulas, one index at a time."""
     config, selector = draft.config, draft.state_dict()
     projection = selector["candidate_selector.hidden_projection.weight"]
     predecessor = selector["candidate_selector.predecessor_codebook"]
     successor = selector["candidate_selector.successor_codebook"]
     cap, multiplier, top_k = config.final_logit_softcapping, config.output_multiplier, config.selector_top_k
     batch, slots, _ = hidden.shape
-    all_candidates, all_scores, chains = [], [], []
+    all_candidates, all_scores, chains, masses = [], [], [], []
     for b in range(batch):
-        candidates, scores = [], []
+        candidates, scores, mass = [], [], []
         for i in range(slots):
             unary = []
             for v in range(head_weight.shape[0]):
                 z = sum(float(hidden[b, i, h]) * float(head_weight[v, h]) for h in range(hidden.shape[-1]))
                 unary.append(cap * math.tanh(z * multiplier / cap))
             order = sorted(range(len(unary)), key=lambda v: -unary[v])[:top_k]
+            mass.append(sum(math.exp(unary[c]) for c in order) / sum(math.exp(u) for u in unary))
             projected = [
                 sum(float(projection[r, h]) * float(hidden[b, i, h]) for h in range(HIDDEN)) for r in range(RANK)
             ]
@@ -247,7 +249,8 @@ def loop_selector(draft, hidden, head_weight, anchors, temperature=None, uniform
         all_candidates.append(candidates)
         all_scores.append(scores)
         chains.append(chain)
-    return torch.tensor(all_candidates), torch.tensor(all_scores), torch.tensor(chains)
+        masses.append(mass)
+    return torch.tensor(all_candidates), torch.tensor(all_scores), torch.tensor(chains), torch.tensor(masses)
 
 
 def test_candidates_lattice_and_chain_match_the_spec(published, target):
@@ -256,13 +259,16 @@ def test_candidates_lattice_and_chain_match_the_spec(published, target):
     hidden = torch.randn(2, BLOCK - 1, HIDDEN, generator=generator) * 3
     anchors = torch.tensor([7, 30])
     head = target.get_output_embeddings()
-    expected_candidates, expected_scores, expected_chain = loop_selector(draft, hidden, head.weight.detach(), anchors)
+    expected = loop_selector(draft, hidden, head.weight.detach(), anchors)
+    expected_candidates, expected_scores, expected_chain, expected_mass = expected
     with torch.no_grad():
         lattice = draft.selector_lattice(hidden, head, anchors)
         tokens, candidates, chain = draft.select_chain(hidden, head, anchors)
     assert torch.equal(lattice.candidate_ids, expected_candidates)
     assert torch.equal(candidates, expected_candidates)
     torch.testing.assert_close(lattice.scores, expected_scores.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lattice.candidate_mass, expected_mass.float(), rtol=1e-4, atol=1e-6)
+    assert bool((expected_mass < 0.999).all())  # the candidates leave some mass out: the check could fail
     assert torch.equal(tokens, expected_chain)
     unary_argmax = expected_candidates[..., 0]
     assert not torch.equal(tokens, unary_argmax)  # the pairwise scores changed some choice: they were checked
@@ -855,3 +861,29 @@ def test_block_causal_shift_moves_each_slot_back_inside_its_block(length):
             if t % 4 >= tau:
                 expected[:, t] = x[:, t - tau]
         assert torch.equal(block_causal_shift(x, tau, 4), expected), tau
+
+
+def test_a_lattice_trees_probabilities_carry_the_candidates_mass(monkeypatch):
+    """The planner's probability of a lattice node: the softmax over the K candidates times the share of the slot's
+    unary softmax those candidates hold, so each row of transitions sums to that share, not to one."""
+    from hf_dflash.decoding import speculative
+
+    target = make_target("llama")
+    prompt = torch.randint(0, VOCAB - 1, (6,), generator=torch.Generator().manual_seed(2))
+    draft = make_draft(target, block_size=BLOCK, **SELECTOR)  # random: its unary softmax is spread
+    seen, masses, lattice_tree, selector_lattice = [], [], speculative.lattice_tree, draft.selector_lattice
+
+    def spy_lattice(*args, **kwargs):
+        lattice = selector_lattice(*args, **kwargs)
+        masses.append(lattice.candidate_mass)
+        return lattice
+
+    monkeypatch.setattr(draft, "selector_lattice", spy_lattice)
+    monkeypatch.setattr(
+        speculative, "lattice_tree", lambda ids, probs, n: seen.append(probs) or lattice_tree(ids, probs, n)
+    )
+    speculative_generate(target, draft, prompt[None], max_new_tokens=12, tree=8, optimize_cpu=False)
+    assert seen and len(seen) == len(masses)
+    for transitions, mass in zip(seen, masses):
+        torch.testing.assert_close(transitions.sum(-1), mass[..., None].expand(-1, -1, transitions.shape[2]))
+    assert any(bool((mass < 0.999).any()) for mass in masses)  # some rows do not sum to one: the check could fail

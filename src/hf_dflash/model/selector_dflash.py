@@ -140,24 +140,31 @@ class DFlashCandidateSelector(nn.Module):
     ) -> SelectorLattice:
         """Every pairwise score of a drafted block: `hidden` `[b, S, H]` (after the final norm), `logits` `[b, S, V_d]`
         (the target head's), `anchor_draft_ids` `[b]` (-1 outside the draft vocabulary)."""
-        unary, candidate_ids = self.candidates(self.unary_logits(logits))  # [b, S, K] each
+        all_unary = self.unary_logits(logits)  # [b, S, V_d]
+        unary, candidate_ids = self.candidates(all_unary)  # [b, S, K] each
+        candidate_mass = (unary - all_unary.logsumexp(-1, keepdim=True)).exp().sum(-1)  # [b, S]
         previous = torch.cat(
             [anchor_draft_ids[:, None, None].expand(-1, 1, unary.shape[-1]), candidate_ids[:, :-1]], 1
         )
         projected = self.hidden_projection(hidden)  # [b, S, R]
         scores = unary[..., None, :] + self.pairwise_scores(projected, previous, candidate_ids)  # [b, S, K, K]
-        return SelectorLattice(candidate_ids=candidate_ids, unary_scores=unary, scores=scores)
+        return SelectorLattice(
+            candidate_ids=candidate_ids, unary_scores=unary, scores=scores, candidate_mass=candidate_mass
+        )
 
 
 @dataclass
 class SelectorLattice:
     """A drafted block's candidates and scores: `candidate_ids` `[b, S, K]` (draft ids, best unary first), their unary
     logits `unary_scores` `[b, S, K]`, and `scores` `[b, S, K, K]`, `scores[:, i, p, c]` for candidate c of slot i after
-    candidate p of slot i - 1 (slot 0's rows all follow the anchor)."""
+    candidate p of slot i - 1 (slot 0's rows all follow the anchor). `candidate_mass` `[b, S]` is the share of each
+    slot's unary softmax (over the whole draft vocabulary) that its K candidates hold: a walk's softmax over the
+    candidates alone sums to one, so how likely a slot's right token is among them at all is this."""
 
     candidate_ids: torch.LongTensor
     unary_scores: torch.Tensor
     scores: torch.Tensor
+    candidate_mass: torch.Tensor | None = None
 
 
 @dataclass
