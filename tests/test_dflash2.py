@@ -349,15 +349,18 @@ def steered_dflash2(target, references, seed: int = 1, selector_scale: float = 0
 
 
 def count_overruled_slots(draft) -> list[int]:
-    """Record, per `select_chain` call, how many slots the walk chose other than their best unary candidate."""
-    counts, select_chain = [], draft.select_chain
+    """Record, per lattice the drafter scores, how many slots its greedy walk chose other than their best unary
+    candidate (both decoding paths score the lattice through `selector_lattice`)."""
+    from hf_dflash.model.selector_dflash import walk_lattice
+
+    counts, selector_lattice = [], draft.selector_lattice
 
     def spy(*args, **kwargs):
-        tokens, candidates, chain = select_chain(*args, **kwargs)
-        counts.append(int((tokens != candidates[..., 0]).sum()))
-        return tokens, candidates, chain
+        lattice = selector_lattice(*args, **kwargs)
+        counts.append(int((walk_lattice(lattice).draft_ids != lattice.candidate_ids[..., 0]).sum()))
+        return lattice
 
-    draft.select_chain = spy
+    draft.selector_lattice = spy
     return counts
 
 
@@ -806,8 +809,9 @@ def test_a_sampled_chain_is_cut_before_anything_is_drawn(monkeypatch):
     monkeypatch.setattr(speculative, "_planned", lambda *args: planned.append(plan(*args)) or planned[-1])
     target = peaky_target("llama")
     draft = dflash2_sampling_draft(target)
-    # costs at which planning from the drawn tokens' probabilities cuts the first chain to 1 or 2 proposals by seed
-    costs = VerifyCosts(verify=(1.0, 1.02, 1.1, 1.3), draft=0.0)
+    # costs at which planning from the drawn tokens' probabilities (times the candidate mass) cuts the first chain to
+    # 1 or 2 proposals by seed
+    costs = VerifyCosts(verify=(1.0, 1.01, 1.04, 1.3), draft=0.0)
     first_lengths, first_draws = set(), set()
     for seed in range(24):
         torch.manual_seed(seed)

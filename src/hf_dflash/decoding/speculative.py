@@ -658,18 +658,21 @@ def _sampled_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> P
 
 
 def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> Proposal:
-    """DFlash2: the selector's walked chain, greedy or (sampling proposals) drawn at the temperature. A greedy chain's
-    length is planned from its choices' probabilities; a sampled one's from the unary confidences, known before
-    anything is drawn (a length chosen after seeing the draws would bias them). Under sampling `q` is the walk's
-    distribution over each slot's candidates, zero elsewhere (one-hot for a greedy walk)."""
+    """DFlash2: the selector's walked chain, greedy or (sampling proposals) drawn at the temperature (greedy with
+    trees: `_selector_tree`). A greedy chain's length is planned from its choices' probabilities; a sampled one's from
+    the unary confidences, known before anything is drawn (a length chosen after seeing the draws would bias them);
+    both times each slot's candidate mass (see `_selector_tree`). Under sampling `q` is the walk's distribution over
+    each slot's candidates, zero elsewhere (one-hot for a greedy walk)."""
     if setup.max_tree_nodes:
         return _selector_tree(setup, state, hidden)
     sampled = setup.do_sample and setup.sample_proposals
     temperature = setup.temperature if sampled else None
-    lm_head = setup.target.get_output_embeddings()
-    tokens, candidates, walk = setup.draft.select_chain(hidden, lm_head, state.bonus, temperature)
+    draft, lm_head = setup.draft, setup.target.get_output_embeddings()
+    lattice = draft.selector_lattice(hidden, lm_head, state.bonus)
+    walk = walk_lattice(lattice, temperature)
+    tokens, candidates = draft.to_target_ids(walk.draft_ids), draft.to_target_ids(lattice.candidate_ids)
     confidence = walk.unary_confidence(temperature) if sampled else walk.chosen_probs()  # [b, S]
-    tree = _planned(setup, state, chain(tokens, confidence))
+    tree = _planned(setup, state, chain(tokens, confidence * lattice.candidate_mass))
     if not setup.do_sample:
         return Proposal(tree)
     vocab = lm_head.weight.shape[0]
