@@ -164,7 +164,7 @@ class SelectorLattice:
     candidate_ids: torch.LongTensor
     unary_scores: torch.Tensor
     scores: torch.Tensor
-    candidate_mass: torch.Tensor | None = None
+    candidate_mass: torch.Tensor
 
 
 @dataclass

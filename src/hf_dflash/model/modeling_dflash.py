@@ -362,8 +362,9 @@ class DFlashForDrafting(DFlashPreTrainedModel):
 
     def draft_head(self, lm_head: nn.Module) -> nn.Linear:
         """The target's LM head over the draft vocabulary only: an `nn.Linear` holding its rows (frozen), cached while
-        the head and the vocabulary are unchanged, so a CPU preparation (`hf_dflash.optimize_for_cpu`) can give its
-        product a faster kernel once. Over the whole vocabulary the head itself is used."""
+        the head and the vocabulary are unchanged, so a CPU preparation (hf-dflash's
+        `optimize_target_and_draft_for_cpu`) can give its product a faster kernel once. Over the whole vocabulary the
+        head itself is used."""
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         key = (weight.data_ptr(), weight._version, self.d2t.data_ptr(), self.d2t._version)
         if self._draft_head_cache is None or self._draft_head_cache[0] != key:
