@@ -170,13 +170,15 @@ class SelectorLattice:
 @dataclass
 class SelectorChain:
     """The walked chain: `draft_ids` `[b, S]`, the index of each choice among its slot's candidates `choices` `[b, S]`,
-    the row each choice was made from `row_scores` `[b, S, K]` (the walk's logits over the candidates), and the
-    slots' unary logits `unary_scores` `[b, S, K]`, which do not depend on the walk's choices."""
+    the row each choice was made from `row_scores` `[b, S, K]` (the walk's logits over the candidates), and, from the
+    lattice and independent of the walk's choices, the slots' unary logits `unary_scores` `[b, S, K]` and their
+    `candidate_mass` `[b, S]` (`SelectorLattice`)."""
 
     draft_ids: torch.LongTensor
     choices: torch.LongTensor
     row_scores: torch.Tensor
     unary_scores: torch.Tensor
+    candidate_mass: torch.Tensor
 
     def proposal_probs(self, temperature: float = 1.0) -> torch.Tensor:
         """`[b, S, K]` the walk's distribution over each slot's candidates, `softmax(row / temperature)`."""
@@ -210,7 +212,7 @@ def walk_lattice(lattice: SelectorLattice, temperature: float | None = None) -> 
         previous = choice[:, :, None]
     choices = torch.cat(choices, dim=1)  # [b, S]
     draft_ids = candidate_ids.gather(-1, choices[..., None])[..., 0]
-    return SelectorChain(draft_ids, choices, torch.stack(rows, dim=1), lattice.unary_scores)
+    return SelectorChain(draft_ids, choices, torch.stack(rows, dim=1), lattice.unary_scores, lattice.candidate_mass)
 
 
 __all__ = [

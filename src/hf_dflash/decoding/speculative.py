@@ -390,9 +390,7 @@ class TopPBySortedValues(TopPLogitsWarper):
     place differently)."""
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2:
-            return super().__call__(input_ids, scores)
-        if bool(scores.isnan().any()):
+        if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2 or scores.isnan().any():
             return super().__call__(input_ids, scores)
         sorted_scores = _sorted_values(scores.detach())  # [n, V], ascending
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # nondecreasing: the removed entries are a prefix
@@ -667,12 +665,10 @@ def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> 
         return _selector_tree(setup, state, hidden)
     sampled = setup.do_sample and setup.sample_proposals
     temperature = setup.temperature if sampled else None
-    draft, lm_head = setup.draft, setup.target.get_output_embeddings()
-    lattice = draft.selector_lattice(hidden, lm_head, state.bonus)
-    walk = walk_lattice(lattice, temperature)
-    tokens, candidates = draft.to_target_ids(walk.draft_ids), draft.to_target_ids(lattice.candidate_ids)
+    lm_head = setup.target.get_output_embeddings()
+    tokens, candidates, walk = setup.draft.select_chain(hidden, lm_head, state.bonus, temperature)
     confidence = walk.unary_confidence(temperature) if sampled else walk.chosen_probs()  # [b, S]
-    tree = _planned(setup, state, chain(tokens, confidence * lattice.candidate_mass))
+    tree = _planned(setup, state, chain(tokens, confidence * walk.candidate_mass))
     if not setup.do_sample:
         return Proposal(tree)
     vocab = lm_head.weight.shape[0]
