@@ -469,6 +469,36 @@ def test_a_reduced_vocabulary_drafters_head_is_prepared_with_the_drafter(dtype):
     assert out.sequences[0].tolist() == reference.tolist()
 
 
+def test_a_second_drafter_is_prepared_on_a_prepared_target_alone():
+    """`optimize_draft_for_cpu` prepares another drafter of a prepared target (its head product too) with the target's
+    kernel choices, leaves the target's preparation as it was, and greedy decoding with either drafter stays identical
+    to plain decoding."""
+    from helpers import make_draft
+
+    from hf_dflash.decoding.cpu_kernels import optimize_draft_for_cpu, optimize_target_and_draft_for_cpu
+
+    target = make_target("llama", dtype=torch.bfloat16)
+    first = make_draft(target, block_size=4).to(torch.bfloat16)
+    second = make_draft(target, block_size=4, draft_vocab_size=40).to(torch.bfloat16)
+    second.set_draft_vocabulary(torch.arange(0, 80, 2))
+    preparation = optimize_target_and_draft_for_cpu(target, first, exact=True)
+    target_modules = [type(m) for m in target.modules()]
+    with pytest.raises(ValueError, match="already prepared"):
+        optimize_target_and_draft_for_cpu(target, second, exact=True)
+    assert not is_optimized_for_cpu(second)  # the refusal prepared nothing
+    second_preparation = optimize_draft_for_cpu(second, target, preparation.choices)
+    assert is_optimized_for_cpu(second) and second_preparation.choices is preparation.choices
+    assert isinstance(second.draft_head(target.get_output_embeddings()), PreparedLinear)
+    assert [type(m) for m in target.modules()] == target_modules
+    prompt = random_prompt(12, seed=6)
+    reference = greedy_reference(target, prompt, 20)
+    for draft in (first, second):
+        out = speculative_generate(target, draft, prompt[None], max_new_tokens=20)
+        assert out.sequences[0].tolist() == reference.tolist()
+    second_preparation.undo()
+    assert not is_optimized_for_cpu(second) and is_optimized_for_cpu(target)
+
+
 # -- the same model ----------------------------------------------------------------------------------------------------
 
 

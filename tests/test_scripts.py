@@ -185,6 +185,39 @@ def test_swapped_records_keep_the_count_the_order_and_the_held_out_records_last(
         swap(records, records[:1], holdout=2, seed=0)
 
 
+def test_race_drafters_times_the_candidate_beside_the_current_drafter_in_one_identity_checked_run():
+    from hf_dflash.bench.config import BenchmarkConfig, BenchmarkPrompt
+    from hf_dflash.bench.harness import run_benchmark
+    from hf_dflash.bench.methods import default_methods
+    from hf_dflash.decoding.policy import VerifyPlanner
+
+    race = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "race_drafters.py")
+    target = make_target("llama")
+    current, candidate = make_draft(target, block_size=4), make_draft(target, block_size=6)
+    prompts = [
+        BenchmarkPrompt("toy/0", "toy", torch.tensor([5, 6, 7, 8, 5, 6])),
+        BenchmarkPrompt("toy/1", "toy", torch.tensor([9, 10, 11])),
+    ]
+    config = BenchmarkConfig(
+        max_new_tokens=10,
+        warmup_new_tokens=4,
+        draft_block_sizes=(),
+        batch_sizes=(),
+        progress=False,
+        methods=("plain", "ours", race.CANDIDATE),
+    )
+    methods = default_methods(planner=VerifyPlanner()) | {
+        race.CANDIDATE: race.candidate_method(candidate, VerifyPlanner())
+    }
+    report = run_benchmark(config, target, None, current, prompts=prompts, methods=methods)
+    assert report.identical and not report.failures and report.methods == ["plain", "ours", race.CANDIDATE]
+    summaries = report.datasets["toy"].methods
+    assert len(summaries["ours"].speculative.tau_histogram) == 4 + 1  # a bin for each count a block can commit
+    assert (
+        len(summaries[race.CANDIDATE].speculative.tau_histogram) == 6 + 1
+    )  # the candidate's block, not the current's
+
+
 def test_compare_drafters_gives_each_sets_gain_a_paired_interval_and_a_verdict_that_can_fail():
     compare = load_module(Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "compare_drafters.py")
     runs = lambda committed, rounds: {"committed": committed, "rounds": rounds}  # noqa: E731

@@ -25,6 +25,7 @@ _MODULES = {
         "CPUPreparation",
         "KernelChoices",
         "is_optimized_for_cpu",
+        "optimize_draft_for_cpu",
         "optimize_for_cpu",
         "optimize_target_and_draft_for_cpu",
     ),

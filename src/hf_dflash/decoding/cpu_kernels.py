@@ -527,8 +527,19 @@ def optimize_target_and_draft_for_cpu(
     never what is kept. A drafter already prepared is kept. Returns the target's preparation."""
     preparation = optimize_for_cpu(target, exact=exact)
     if draft is not None and not is_optimized_for_cpu(draft):
-        draft_preparation = optimize_for_cpu(draft, choices=preparation.choices)
-        _prepare_draft_head(target, draft, draft_preparation)
+        optimize_draft_for_cpu(draft, target, preparation.choices)
+    return preparation
+
+
+def optimize_draft_for_cpu(
+    draft: nn.Module, target: nn.Module, choices: KernelChoices | None = None
+) -> CPUPreparation:
+    """A drafter of `target` prepared as `optimize_target_and_draft_for_cpu` prepares one: fast kernels, and its
+    product with the target head's rows of a reduced vocabulary. For another drafter of a target prepared before
+    (pass that preparation's `choices`, so each weight shape is measured once); the target is left as it is. Returns
+    the drafter's preparation (`.undo()` restores it)."""
+    preparation = optimize_for_cpu(draft, choices=choices)
+    _prepare_draft_head(target, draft, preparation)
     return preparation
 
 
