@@ -212,10 +212,9 @@ def test_race_drafters_times_the_candidate_beside_the_current_drafter_in_one_ide
     report = run_benchmark(config, target, None, current, prompts=prompts, methods=methods)
     assert report.identical and not report.failures and report.methods == ["plain", "ours", race.CANDIDATE]
     summaries = report.datasets["toy"].methods
-    assert len(summaries["ours"].speculative.tau_histogram) == 4 + 1  # a bin for each count a block can commit
-    assert (
-        len(summaries[race.CANDIDATE].speculative.tau_histogram) == 6 + 1
-    )  # the candidate's block, not the current's
+    # a histogram has a bin for each count a block can commit: the candidate ran its own block, not the current's
+    assert len(summaries["ours"].speculative.tau_histogram) == 4 + 1
+    assert len(summaries[race.CANDIDATE].speculative.tau_histogram) == 6 + 1
 
 
 def test_compare_drafters_gives_each_sets_gain_a_paired_interval_and_a_verdict_that_can_fail():
