@@ -166,6 +166,12 @@ class SelectorLattice:
     scores: torch.Tensor
     candidate_mass: torch.Tensor
 
+    def transition_probs(self) -> torch.Tensor:
+        """`[b, S, K, K]` each candidate's probability after its parent's: its row's softmax times its slot's
+        `candidate_mass` (the softmax over the K candidates alone sums to one, however often the right token is
+        among them)."""
+        return self.scores.softmax(-1) * self.candidate_mass[..., None, None]
+
 
 @dataclass
 class SelectorChain:
@@ -185,13 +191,15 @@ class SelectorChain:
         return (self.row_scores / temperature).softmax(-1)
 
     def chosen_probs(self) -> torch.Tensor:
-        """`[b, S]` each choice's probability in its row at temperature 1 (a greedy chain's confidence)."""
-        return self.proposal_probs().gather(-1, self.choices[..., None])[..., 0]
+        """`[b, S]` each choice's probability in its row at temperature 1 times its slot's `candidate_mass` (a greedy
+        chain's confidence)."""
+        return self.proposal_probs().gather(-1, self.choices[..., None])[..., 0] * self.candidate_mass
 
     def unary_confidence(self, temperature: float = 1.0) -> torch.Tensor:
-        """`[b, S]` each slot's most likely candidate's probability under its unary logits alone: known before any
-        choice is drawn, so a sampled chain's length can be planned from it without biasing what is sampled."""
-        return (self.unary_scores / temperature).softmax(-1).amax(-1)
+        """`[b, S]` each slot's most likely candidate's probability under its unary logits alone, times its
+        `candidate_mass`: known before any choice is drawn, so a sampled chain's length can be planned from it without
+        biasing what is sampled."""
+        return (self.unary_scores / temperature).softmax(-1).amax(-1) * self.candidate_mass
 
 
 def walk_lattice(lattice: SelectorLattice, temperature: float | None = None) -> SelectorChain:

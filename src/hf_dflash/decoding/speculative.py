@@ -659,7 +659,7 @@ def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> 
     """DFlash2: the selector's walked chain, greedy or (sampling proposals) drawn at the temperature (greedy with
     trees: `_selector_tree`). A greedy chain's length is planned from its choices' probabilities; a sampled one's from
     the unary confidences, known before anything is drawn (a length chosen after seeing the draws would bias them);
-    both times each slot's candidate mass (see `_selector_tree`). Under sampling `q` is the walk's distribution over
+    both times each slot's candidate mass (`SelectorChain`). Under sampling `q` is the walk's distribution over
     each slot's candidates, zero elsewhere (one-hot for a greedy walk)."""
     if setup.max_tree_nodes:
         return _selector_tree(setup, state, hidden)
@@ -668,7 +668,7 @@ def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> 
     lm_head = setup.target.get_output_embeddings()
     tokens, candidates, walk = setup.draft.select_chain(hidden, lm_head, state.bonus, temperature)
     confidence = walk.unary_confidence(temperature) if sampled else walk.chosen_probs()  # [b, S]
-    tree = _planned(setup, state, chain(tokens, confidence * walk.candidate_mass))
+    tree = _planned(setup, state, chain(tokens, confidence))
     if not setup.do_sample:
         return Proposal(tree)
     vocab = lm_head.weight.shape[0]
@@ -681,19 +681,18 @@ def _selector_chain(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> 
 
 def _selector_tree(setup: _Setup, state: DecodeState, hidden: torch.Tensor) -> Proposal:
     """DFlash2, greedy, with trees: the best-first tree of the selector's lattice or its walked chain, whichever plan
-    brings more (the tree alone without costs). A candidate's probability is the softmax of its scores after its
-    parent's candidate times its slot's `candidate_mass`: the softmax over the K candidates alone sums to one, and the
-    planner, counting on it, verified half as many tokens again as rounds accepted (SmolLM2's drafter: 1.80 expected
-    against 1.26 accepted a tree round)."""
+    brings more (the tree alone without costs). A candidate's probability is `SelectorLattice.transition_probs`, its
+    scores' softmax after its parent's candidate times its slot's `candidate_mass`: counting on the softmax alone, the
+    planner verified half as many tokens again as rounds accepted (SmolLM2's drafter: 1.80 expected against 1.26
+    accepted a tree round)."""
     draft = setup.draft
     lattice = draft.selector_lattice(hidden, setup.target.get_output_embeddings(), state.bonus)
     candidates = draft.to_target_ids(lattice.candidate_ids)  # [b, S, K]
-    mass = lattice.candidate_mass  # [b, S]
-    tree = lattice_tree(candidates, lattice.scores.softmax(-1) * mass[..., None, None], setup.max_tree_nodes)
+    tree = lattice_tree(candidates, lattice.transition_probs(), setup.max_tree_nodes)
     if setup.verify_costs is None:
         return Proposal(tree)
     walk = walk_lattice(lattice)
-    walked = chain(draft.to_target_ids(walk.draft_ids), walk.chosen_probs() * mass)
+    walked = chain(draft.to_target_ids(walk.draft_ids), walk.chosen_probs())
     return Proposal(max(_plans(setup, state, tree), _plans(setup, state, walked), key=lambda plan: plan[1])[0])
 
 

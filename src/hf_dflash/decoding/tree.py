@@ -84,7 +84,7 @@ def lattice_tree(candidate_ids: torch.LongTensor, transition_probs: torch.Tensor
     """`best_first_tree` where a candidate's probability depends on its parent's: `candidate_ids` `[b, S, K]` and
     `transition_probs` `[b, S, K, K]`, entry `[i, p, c]` the probability of slot i's candidate c after slot i - 1's
     candidate p (slot 0: every row `p` is the bonus token's). DFlash2's selector scores such a lattice
-    (`SelectorLattice.scores`: the loop passes their row softmaxes times each slot's candidate mass); its best paths
+    (`SelectorLattice.scores`; the loop passes `SelectorLattice.transition_probs`); its best paths
     make the tree."""
     return _tree(candidate_ids, transition_probs.float().cpu().tolist(), num_nodes)
 
